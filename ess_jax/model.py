@@ -1,0 +1,319 @@
+"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 families.
+
+Axis alphabet used in names: B batch, T time (query), S cache/key length, D model width,
+H query heads, N kv heads, K head dim, F MLP width, V vocab, L layers.
+
+Parameters are float32 masters; `ModelConfig.dtype` is the compute dtype. Every parameter
+carries logical axis names (`out_sharding` metadata) that sharding.py maps to mesh axes.
+
+Functional API (stable, used by the sampler, the trainer and external checks):
+  apply(cfg, params, tokens_BxT) -> logits_BxTxV (float32)
+  forward(cfg, params, tokens_BxT, positions_BxT, kv_mask_BxS, cache, cache_index)
+  token_logprobs(cfg, params, tokens_BxT, mask_BxT) -> logp_BxT (float32)
+`params` is a plain nested dict of arrays (`nnx.State.to_pure_dict()` of `Decoder`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Params = dict[str, Any]
+# Large finite negative instead of -inf: fully masked rows (left pads) must give finite
+# softmax outputs, never NaN, or NaNs leak into the cache and the gradients.
+_MASK_VALUE = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64  # D
+    intermediate_size: int = 128  # F
+    num_layers: int = 2  # L
+    num_heads: int = 4  # H
+    num_kv_heads: int = 2  # N
+    head_dim: int = 16  # K
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # e.g. llama3 scaling, as items
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16
+    family: str = "llama"  # llama | qwen2 | qwen3
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **kw) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, scale: float) -> nnx.Param:
+    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _ones(shape: tuple[int, ...], axes: tuple) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, jnp.float32), out_sharding=axes, eager_sharding=False)
+
+
+def _zeros(shape: tuple[int, ...], axes: tuple) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=axes, eager_sharding=False)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # Statistics in float32 whatever the compute dtype (HF does the same).
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    k = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+    scaling = dict(cfg.rope_scaling or ())
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    low_wl, high_wl = old_len / low, old_len / high
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = jnp.where(wavelen > low_wl, inv / factor, inv)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+    return jnp.where(is_mid, mid, scaled)
+
+
+def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    # Non-interleaved (rotate-half) convention, as in the HF Llama/Qwen checkpoints.
+    angles = positions_BxT[..., None].astype(jnp.float32) * inv_freq  # B,T,K/2
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
+    x = x_BxTxHxK.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    return (x * cos + rotated * sin).astype(x_BxTxHxK.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, n, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if h % n:
+            raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={n}")
+        s = 1.0 / math.sqrt(d)
+        self.q = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), s)
+        self.k = _param(rngs, (d, n, k), ("embed", "kv_heads", "head_dim"), s)
+        self.v = _param(rngs, (d, n, k), ("embed", "kv_heads", "head_dim"), s)
+        self.o = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), 1.0 / math.sqrt(h * k))
+        if cfg.qkv_bias:
+            self.q_bias = _zeros((h, k), ("heads", "head_dim"))
+            self.k_bias = _zeros((n, k), ("kv_heads", "head_dim"))
+            self.v_bias = _zeros((n, k), ("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = _ones((k,), ("norm",))
+            self.k_norm = _ones((k,), ("norm",))
+
+    def __call__(self, cfg, x_BxTxD, positions_BxT, kv_mask_BxS, cache, cache_index):
+        dt = cfg.compute_dtype
+        q = jnp.einsum("btd,dhk->bthk", x_BxTxD, self.q[...].astype(dt))
+        k = jnp.einsum("btd,dnk->btnk", x_BxTxD, self.k[...].astype(dt))
+        v = jnp.einsum("btd,dnk->btnk", x_BxTxD, self.v[...].astype(dt))
+        if cfg.qkv_bias:
+            q, k, v = (
+                q + self.q_bias[...].astype(dt),
+                k + self.k_bias[...].astype(dt),
+                v + self.v_bias[...].astype(dt),
+            )
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+        inv_freq = rope_inv_freq(cfg)
+        q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
+
+        t = x_BxTxD.shape[1]
+        if cache is None:  # full-sequence forward: keys are this call's tokens
+            k_all, v_all, new_cache = k, v, None
+            key_idx = jnp.arange(t)
+            query_idx = jnp.arange(t)
+        else:  # write this call's keys into the fixed-length cache, attend over all of it
+            k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype),
+                                                        cache_index, axis=1)
+            v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype),
+                                                        cache_index, axis=1)
+            new_cache = {"k": k_all, "v": v_all}
+            key_idx = jnp.arange(k_all.shape[1])
+            query_idx = cache_index + jnp.arange(t)
+        mask_BxTxS = (key_idx[None, :] <= query_idx[:, None])[None] & kv_mask_BxS[:, None, :]
+
+        b, _, h, kd = q.shape
+        n = k_all.shape[2]
+        q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
+        scores = jnp.einsum("btngk,bsnk->bngts", q, k_all.astype(dt),
+                            preferred_element_type=jnp.float32) / math.sqrt(kd)
+        scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bngts,bsnk->btngk", probs, v_all.astype(dt)).reshape(b, t, h, kd)
+        return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(dt)), new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate = _param(rngs, (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
+        self.up = _param(rngs, (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
+        self.down = _param(rngs, (f, d), ("mlp", "embed"), 1.0 / math.sqrt(f))
+
+    def __call__(self, cfg, x_BxTxD):
+        dt = cfg.compute_dtype
+        g = jnp.einsum("btd,df->btf", x_BxTxD, self.gate[...].astype(dt))
+        u = jnp.einsum("btd,df->btf", x_BxTxD, self.up[...].astype(dt))
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, self.down[...].astype(dt))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = _ones((cfg.hidden_size,), ("norm",))
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, cfg, x, positions, kv_mask, cache, cache_index):
+        h, new_cache = self.attn(cfg, rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps),
+                                 positions, kv_mask, cache, cache_index)
+        x = x + h
+        return x + self.mlp(cfg, rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)), new_cache
+
+
+class Decoder(nnx.Module):
+    """Token embedding, L pre-norm blocks, final norm, (tied or untied) LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), 1.0)
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = _ones((cfg.hidden_size,), ("norm",))
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                  1.0 / math.sqrt(cfg.hidden_size))
+
+    def __call__(self, cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
+        dt = cfg.compute_dtype
+        x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, c = layer(cfg, x, positions_BxT, kv_mask_BxS,
+                         None if cache is None else cache[i], cache_index)
+            new_cache.append(c)
+        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        head_DxV = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head_DxV.astype(dt),
+                            preferred_element_type=jnp.float32)
+        return logits, (None if cache is None else new_cache)
+
+
+# ----------------------------------------------------------------------------- functional API
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract(cfg: ModelConfig):
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    return graphdef, state
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array | int = 0) -> Params:
+    """Random float32 parameters as a plain nested dict."""
+    seed = rng if isinstance(rng, int) else jax.random.key_data(rng)[-1]
+    model = Decoder(cfg, rngs=nnx.Rngs(int(seed)))
+    return nnx.state(model, nnx.Param).to_pure_dict()
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """ShapeDtypeStructs of the parameters, without allocating them."""
+    return _abstract(cfg)[1].to_pure_dict()
+
+
+def logical_axes(cfg: ModelConfig) -> Params:
+    """Same tree as the params, each leaf the tuple of its logical axis names."""
+    specs = nnx.get_partition_spec(_abstract(cfg)[1]).to_pure_dict()
+    return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def bind(cfg: ModelConfig, params: Params) -> Decoder:
+    """The NNX module holding `params` (cheap: no copy, usable inside jit)."""
+    graphdef, state = _abstract(cfg)
+    state = jax.tree.map(lambda x: x, state)  # fresh container, the cached one stays abstract
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state)
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[dict]:
+    """Zeroed KV cache: per layer {'k','v'} of shape [B, S, N, K]."""
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    dt = dtype or cfg.compute_dtype
+    return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.num_layers)]
+
+
+def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
+    """RoPE positions that start at 0 on each row's first real token (left padding)."""
+    return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def forward(cfg, params, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
+    """Logits (float32) and the updated cache. `kv_mask_BxS` marks keys that may be attended."""
+    return bind(cfg, params)(cfg, tokens_BxT, positions_BxT, kv_mask_BxS.astype(bool), cache,
+                             cache_index)
+
+
+def apply(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array,
+          mask_BxT: jax.Array | None = None) -> jax.Array:
+    """Causal forward over whole sequences: logits_BxTxV in float32."""
+    if mask_BxT is None:
+        mask_BxT = jnp.ones(tokens_BxT.shape, bool)
+    logits, _ = forward(cfg, params, tokens_BxT, positions_from_mask(mask_BxT), mask_BxT)
+    return logits
+
+
+def logprobs_from_logits(logits_BxTxV: jax.Array, tokens_BxT: jax.Array) -> jax.Array:
+    logz = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+    picked = jnp.take_along_axis(logits_BxTxV, tokens_BxT[..., None], axis=-1)[..., 0]
+    return picked - logz
+
+
+def token_logprobs(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array,
+                   mask_BxT: jax.Array | None = None, return_entropy: bool = False):
+    """log pi(tokens[t] | tokens[<t]) at every position t, float32, aligned with tokens.
+
+    Position 0 (no context) and masked positions get 0. With `return_entropy`, also the
+    full-distribution entropy of the prediction of each token.
+    """
+    if mask_BxT is None:
+        mask_BxT = jnp.ones(tokens_BxT.shape, bool)
+    logits = apply(cfg, params, tokens_BxT, mask_BxT).astype(jnp.float32)[:, :-1]
+    lp = logprobs_from_logits(logits, tokens_BxT[:, 1:])
+    valid = mask_BxT[:, 1:].astype(bool)
+    logp = jnp.pad(jnp.where(valid, lp, 0.0), ((0, 0), (1, 0)))
+    if not return_entropy:
+        return logp
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    ent = -jnp.sum(jnp.exp(logq) * logq, axis=-1)
+    return logp, jnp.pad(jnp.where(valid, ent, 0.0), ((0, 0), (1, 0)))
+
+
+def num_params(params: Params) -> int:
+    return sum(x.size for x in jax.tree.leaves(params))

