@@ -153,10 +153,12 @@ class Attention(nnx.Module):
             key_idx = jnp.arange(t)
             query_idx = jnp.arange(t)
         else:  # write this call's keys into the fixed-length cache, attend over all of it
-            k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype),
-                                                        cache_index, axis=1)
-            v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype),
-                                                        cache_index, axis=1)
+            k_all = jax.lax.dynamic_update_slice_in_dim(
+                cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1
+            )
+            v_all = jax.lax.dynamic_update_slice_in_dim(
+                cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1
+            )
             new_cache = {"k": k_all, "v": v_all}
             key_idx = jnp.arange(k_all.shape[1])
             query_idx = cache_index + jnp.arange(t)
@@ -165,8 +167,9 @@ class Attention(nnx.Module):
         b, _, h, kd = q.shape
         n = k_all.shape[2]
         q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
-        scores = jnp.einsum("btngk,bsnk->bngts", q, k_all.astype(dt),
-                            preferred_element_type=jnp.float32) / math.sqrt(kd)
+        scores = jnp.einsum(
+            "btngk,bsnk->bngts", q, k_all.astype(dt), preferred_element_type=jnp.float32
+        ) / math.sqrt(kd)
         scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bngts,bsnk->btngk", probs, v_all.astype(dt)).reshape(b, t, h, kd)
@@ -195,8 +198,14 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, cfg, x, positions, kv_mask, cache, cache_index):
-        h, new_cache = self.attn(cfg, rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps),
-                                 positions, kv_mask, cache, cache_index)
+        h, new_cache = self.attn(
+            cfg,
+            rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps),
+            positions,
+            kv_mask,
+            cache,
+            cache_index,
+        )
         x = x + h
         return x + self.mlp(cfg, rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)), new_cache
 
@@ -209,21 +218,27 @@ class Decoder(nnx.Module):
         self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = _ones((cfg.hidden_size,), ("norm",))
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
-                                  1.0 / math.sqrt(cfg.hidden_size))
+            self.lm_head = _param(
+                rngs,
+                (cfg.hidden_size, cfg.vocab_size),
+                ("embed", "vocab"),
+                1.0 / math.sqrt(cfg.hidden_size),
+            )
 
     def __call__(self, cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
         dt = cfg.compute_dtype
         x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
         new_cache = []
         for i, layer in enumerate(self.layers):
-            x, c = layer(cfg, x, positions_BxT, kv_mask_BxS,
-                         None if cache is None else cache[i], cache_index)
+            x, c = layer(
+                cfg, x, positions_BxT, kv_mask_BxS, None if cache is None else cache[i], cache_index
+            )
             new_cache.append(c)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         head_DxV = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head_DxV.astype(dt),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "btd,dv->btv", x, head_DxV.astype(dt), preferred_element_type=jnp.float32
+        )
         return logits, (None if cache is None else new_cache)
 
 
@@ -236,21 +251,29 @@ def _abstract(cfg: ModelConfig):
     return graphdef, state
 
 
+@functools.lru_cache(maxsize=8)
+def _init_fn(cfg: ModelConfig):
+    # jitted: eager NNX init compiles op by op (seconds even for a tiny model)
+    return jax.jit(
+        lambda key: nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(key)), nnx.Param))
+    )
+
+
 def init_params(cfg: ModelConfig, rng: jax.Array | int = 0) -> Params:
     """Random float32 parameters as a plain nested dict."""
-    seed = rng if isinstance(rng, int) else jax.random.key_data(rng)[-1]
-    model = Decoder(cfg, rngs=nnx.Rngs(int(seed)))
-    return nnx.state(model, nnx.Param).to_pure_dict()
+    # rbg keys: XLA:CPU takes ~10x longer to compile threefry for every param's normal draw
+    key = jax.random.key(rng, impl="rbg") if isinstance(rng, int) else rng
+    return _init_fn(cfg)(key)
 
 
 def abstract_params(cfg: ModelConfig) -> Params:
     """ShapeDtypeStructs of the parameters, without allocating them."""
-    return _abstract(cfg)[1].to_pure_dict()
+    return nnx.to_pure_dict(_abstract(cfg)[1])
 
 
 def logical_axes(cfg: ModelConfig) -> Params:
     """Same tree as the params, each leaf the tuple of its logical axis names."""
-    specs = nnx.get_partition_spec(_abstract(cfg)[1]).to_pure_dict()
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(_abstract(cfg)[1]))
     return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
@@ -276,12 +299,14 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
 
 def forward(cfg, params, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
     """Logits (float32) and the updated cache. `kv_mask_BxS` marks keys that may be attended."""
-    return bind(cfg, params)(cfg, tokens_BxT, positions_BxT, kv_mask_BxS.astype(bool), cache,
-                             cache_index)
+    return bind(cfg, params)(
+        cfg, tokens_BxT, positions_BxT, kv_mask_BxS.astype(bool), cache, cache_index
+    )
 
 
-def apply(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array,
-          mask_BxT: jax.Array | None = None) -> jax.Array:
+def apply(
+    cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, mask_BxT: jax.Array | None = None
+) -> jax.Array:
     """Causal forward over whole sequences: logits_BxTxV in float32."""
     if mask_BxT is None:
         mask_BxT = jnp.ones(tokens_BxT.shape, bool)
@@ -295,8 +320,13 @@ def logprobs_from_logits(logits_BxTxV: jax.Array, tokens_BxT: jax.Array) -> jax.
     return picked - logz
 
 
-def token_logprobs(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array,
-                   mask_BxT: jax.Array | None = None, return_entropy: bool = False):
+def token_logprobs(
+    cfg: ModelConfig,
+    params: Params,
+    tokens_BxT: jax.Array,
+    mask_BxT: jax.Array | None = None,
+    return_entropy: bool = False,
+):
     """log pi(tokens[t] | tokens[<t]) at every position t, float32, aligned with tokens.
 
     Position 0 (no context) and masked positions get 0. With `return_entropy`, also the

@@ -23,8 +23,14 @@ BATCH = ("data", "fsdp")  # the batch is split over every data-parallel axis
 # and Adam moments are split over all data ranks. Sample: decode steps are latency bound,
 # so weights are only tensor-sharded (no per-step all-gather of FSDP shards).
 TRAIN_RULES: dict[str, Any] = {
-    "vocab": "tensor", "embed": "fsdp", "mlp": "tensor", "heads": "tensor",
-    "kv_heads": "tensor", "head_dim": None, "norm": None, "batch": BATCH,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "norm": None,
+    "batch": BATCH,
 }
 SAMPLE_RULES: dict[str, Any] = {**TRAIN_RULES, "embed": None}
 
@@ -48,8 +54,10 @@ def maybe_initialize_distributed() -> None:
             jax.distributed.initialize()
 
 
-def make_mesh(shape: Mapping[str, int] | Sequence[int] | None = None,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    shape: Mapping[str, int] | Sequence[int] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
     """Mesh over (data, fsdp, tensor). One size may be -1 (all remaining devices).
 
     `shape=None` puts every device on `fsdp`.
@@ -74,11 +82,12 @@ def make_mesh(shape: Mapping[str, int] | Sequence[int] | None = None,
             raise ValueError(f"{len(devices)} devices do not divide into mesh {sizes}")
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-                         f"have {len(devices)}")
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+            f"have {len(devices)}"
+        )
     # Auto axes: GSPMD propagation with sharding constraints (jax 0.10 defaults to Explicit).
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                         devices=devices)
+    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
 def _mesh_axis_size(mesh: Mesh, axis) -> int:
@@ -86,8 +95,9 @@ def _mesh_axis_size(mesh: Mesh, axis) -> int:
     return math.prod(mesh.shape[a] for a in axes if a is not None)
 
 
-def logical_to_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                    rules: Mapping[str, Any]) -> PartitionSpec:
+def logical_to_spec(
+    logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, rules: Mapping[str, Any]
+) -> PartitionSpec:
     """PartitionSpec for one array; a dim the mesh axis does not divide is replicated."""
     out, used = [], set()
     for name, dim in zip(logical, shape):
@@ -109,7 +119,10 @@ def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules: Mapping[str, 
     """NamedShardings for a tree of arrays (or ShapeDtypeStructs) with logical axis tuples."""
     return jax.tree.map(
         lambda x, names: NamedSharding(mesh, logical_to_spec(names, x.shape, mesh, rules)),
-        abstract_tree, logical_tree, is_leaf=lambda x: isinstance(x, tuple))
+        abstract_tree,
+        logical_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 def param_shardings(cfg, mesh: Mesh, mode: str = "train"):

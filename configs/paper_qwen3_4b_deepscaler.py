@@ -1,0 +1,43 @@
+"""The paper's main setup (PAPER.md): Qwen3-4B-Thinking-2507 on DeepScaleR, P3O, 8 accelerators.
+
+    python -m ess_jax.main --config=configs/paper_qwen3_4b_deepscaler.py \
+        --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
+        --config.task.manual_dir=/path/to/deepscaler --workdir=runs/p3o_qwen3_4b
+
+One optimizer step per rollout batch (rho != 1 comes from train/inference mismatch), lr 1e-5,
+n = 4 samples per prompt, 256 prompts per step, ~35 steps, binary math verifier, 4K tokens.
+For TPU/GPU meshes; not runnable on a CPU. The paper's exact lr/batch per run and seeds are
+not public (PAPER.md); these are its stated defaults. `:tiny` shrinks it for a config test.
+"""
+
+from ess_jax.defaults import base_config
+
+
+def get_config(arg: str | None = None):
+    c = base_config()
+    c.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
+    c.model.source = "/path/to/Qwen3-4B-Thinking-2507"
+    c.model.dtype = "bfloat16"  # BF16 training compute, float32 masters
+    c.task.name = "deepscaler"
+    c.task.reward = "math"
+    c.task.manual_dir = "/path/to/deepscaler"
+    c.task.test_split = "train"  # DeepScaleR has one split; held-out sets are AIME/AMC files
+    c.data.prompts_per_step = 256
+    c.data.buckets = (256, 512, 1024)
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = 4096
+    c.rollout.precision = "bfloat16"
+    c.objective.name = "p3o"
+    c.objective.ess_scope = "step"
+    c.optim.lr = 1e-5
+    c.optim.max_grad_norm = 1.0
+    c.train.steps = 35
+    c.train.num_microbatches = 16
+    c.train.checkpoint_every = 5
+    c.eval.every = 10
+    c.eval.num_examples = 64
+    c.eval.batch_size = 16
+    c.eval.k = 4
+    c.eval.temperature = 0.6
+    c.eval.max_new_tokens = 4096
+    return c

@@ -1,0 +1,299 @@
+"""Orbax train-state checkpoints: atomic, keep-N, exact resume onto any mesh.
+
+Layout: `<directory>/<step>/state` (the array pytree, OCDBT) and `<directory>/<step>/metadata`
+(JSON: data position, config, policy-version history, ...). Orbax writes each step into
+`<step>.orbax-checkpoint-tmp-*`, writes `commit_success.txt` and only then renames it, so a
+crash mid-save never produces a step that `latest_step` would pick.
+
+    ckpt = Checkpointer(workdir + "/checkpoints", keep=3)
+    ckpt.save(step, {"params": p, "opt_state": o, "rng": key_data}, {"data_pos": 17})
+    step, state, meta = ckpt.restore(abstract_state)  # ShapeDtypeStructs with shardings
+
+Restore reads only each device's slices, so the target mesh may differ from the saving one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec
+from orbax.checkpoint._src.metadata import array_metadata_store  # pinned orbax 0.12.8
+
+COMMIT_MARKER = "commit_success.txt"  # written by orbax just before the final rename
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint step that exists but cannot be read (uncommitted, truncated, corrupted)."""
+
+
+def _key_str(entry) -> str:
+    # Orbax stores dict keys as strings and tuples/namedtuples as lists/dicts, so compare
+    # trees by the string form of each path entry (int layer keys 0 -> "0").
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def _flat(tree) -> dict[tuple[str, ...], Any]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(_key_str(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _name(path: tuple[str, ...]) -> str:
+    return "/".join(path) or "<root>"
+
+
+def _place(abstract_state):
+    """Fill in shardings orbax needs, handling the `jax.jit(tx.init)` trap.
+
+    Scalars (optax `count`, step) without a mesh sharding are replicated on the state's
+    mesh: `jax.jit(tx.init)` leaves them on one device and `jax.eval_shape` gives none.
+    A non-scalar leaf without a sharding is an error: silently replicating it would undo
+    FSDP for e.g. Adam moments. With no mesh anywhere, everything goes to one device.
+    """
+    flat = _flat(abstract_state)
+    mesh = next(
+        (
+            x.sharding.mesh
+            for x in flat.values()
+            if isinstance(getattr(x, "sharding", None), NamedSharding)
+        ),
+        None,
+    )
+    if mesh is None:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    else:
+        default = NamedSharding(mesh, PartitionSpec())
+        missing = [
+            _name(p)
+            for p, x in flat.items()
+            if getattr(x, "sharding", None) is None and len(x.shape) > 0
+        ]
+        if missing:
+            raise ValueError(
+                f"abstract_state leaves without a sharding: {missing}. Give every non-scalar "
+                "leaf a sharding (e.g. optax.tree_map_params to copy the param shardings "
+                "onto the optimizer state)."
+            )
+
+    def fix(x):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"abstract_state leaves must be jax.ShapeDtypeStruct, got {type(x)}")
+        sh = getattr(x, "sharding", None)
+        if sh is None or (len(x.shape) == 0 and not isinstance(sh, NamedSharding)):
+            sh = default
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+    return jax.tree.map(fix, abstract_state)
+
+
+def _state_handler() -> ocp.PyTreeCheckpointHandler:
+    """Orbax's StandardCheckpointHandler, minus replica-parallel saving on CPU.
+
+    Replica-parallel saving splits every replicated shard with an eager `lax.slice` (one
+    XLA compile per shape): a win on TPU, pure overhead on CPU where all devices share host
+    memory (first save of the tiny test model on 8 fake devices: 12.6 s -> 0.6 s). Orbax
+    already turns it off on GPU; `None` keeps its default elsewhere.
+    """
+    th = ocp.type_handlers
+    array = th.ArrayHandler(
+        use_replica_parallel=False if jax.default_backend() == "cpu" else None,
+        array_metadata_store=array_metadata_store.Store(),
+    )  # keeps PRNG key impls
+    registry = th.create_type_handler_registry(
+        (int, th.ScalarHandler()),
+        (float, th.ScalarHandler()),
+        (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler()),
+        (jax.Array, array),
+    )
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+class Checkpointer:
+    """Train-state checkpoints under one directory; steps are integers, newest wins.
+
+    Saves are synchronous by default (safe on Ctrl-C / preemption: when `save` returns the
+    step is committed). `async_save=True` returns once arrays are copied to host; call
+    `wait()` (or `close()`) before relying on the step.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        keep: int | None = 3,
+        save_interval_steps: int = 1,
+        *,
+        async_save: bool = False,
+    ):
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be >= 1 or None (keep all), got {keep}")
+        self.directory = epath.Path(directory)
+        self._async = async_save
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            save_interval_steps=save_interval_steps,
+            create=False,
+            enable_async_checkpointing=async_save,
+        )
+        self._mngr = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={"state": _state_handler(), "metadata": ocp.JsonCheckpointHandler()},
+        )
+
+    # ------------------------------------------------------------------------------ save
+
+    def save(self, step: int, state, metadata: dict, force: bool = False) -> bool:
+        """Save `state` (pytree of arrays) and `metadata` (JSON) as `step`; True if saved.
+
+        Skipped (False) when the save interval says so or `step` is not newer than the
+        latest step (both unless `force`), or `step` is already committed. JSON turns
+        tuples into lists and dict keys into strings.
+        """
+        step = int(step)
+        try:
+            json.dumps(metadata)  # fail before anything touches the disk
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"checkpoint metadata for step {step} is not JSON-serialisable: {e}"
+            ) from e
+        self.directory.mkdir(parents=True, exist_ok=True)  # lazily: restore must not create it
+        self._mngr.reload()  # the step list may have changed on disk (another run, cleanup)
+        if step in self._mngr.all_steps():
+            if self._committed(step):
+                logging.info(
+                    "checkpoint step %d already in %s; not saving again", step, self.directory
+                )
+                return False
+            raise CheckpointError(
+                f"step {step} in {self.directory} exists but is not committed (no "
+                f"{COMMIT_MARKER}); remove {self.directory / str(step)} to save it again"
+            )
+        saved = self._mngr.save(
+            step,
+            force=force,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state), metadata=ocp.args.JsonSave(metadata)
+            ),
+        )
+        if saved and not self._async:
+            self._mngr.wait_until_finished()
+        return bool(saved)
+
+    # --------------------------------------------------------------------------- inspect
+
+    def _committed(self, step: int) -> bool:
+        path = self.directory / str(step)
+        return path.is_dir() and (path / COMMIT_MARKER).exists()
+
+    def all_steps(self) -> list[int]:
+        """Committed steps on disk, ascending (in-flight tmp dirs and marker-less dirs skipped)."""
+        if not self.directory.exists():
+            return []
+        steps = [int(p.name) for p in self.directory.iterdir() if p.name.isdigit()]
+        return sorted(s for s in steps if self._committed(s))
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # --------------------------------------------------------------------------- restore
+
+    def restore(self, abstract_state, step: int | None = None) -> tuple[int, Any, dict]:
+        """(step, state, metadata) for `step` (default: latest committed).
+
+        `abstract_state`: pytree of jax.ShapeDtypeStruct with `.sharding`; arrays come back
+        on those shardings (any mesh). Its tree must match the saved one exactly.
+        """
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                what = "does not exist" if not self.directory.exists() else "has no checkpoints"
+                raise FileNotFoundError(f"checkpoint directory {self.directory} {what}")
+        step = int(step)
+        where = f"checkpoint step {step} in {self.directory}"
+        if not (self.directory / str(step)).is_dir():
+            raise FileNotFoundError(f"{where} does not exist (committed steps: {self.all_steps()})")
+        if not self._committed(step):
+            raise CheckpointError(
+                f"{where} is not committed (no {COMMIT_MARKER}): an interrupted or partial save"
+            )
+        target = _place(abstract_state)
+        self._mngr.reload()
+        try:
+            saved = self._mngr.item_metadata(step)["state"]
+            saved_tree = getattr(saved, "tree", saved)
+        except Exception as e:
+            raise CheckpointError(
+                f"{where} is truncated or corrupted: cannot read its "
+                f"array metadata ({type(e).__name__}: {e})"
+            ) from e
+        if saved_tree is None:
+            raise CheckpointError(f"{where} is truncated or corrupted: no array metadata")
+        _check_tree(_flat(saved_tree), _flat(target), where)
+        try:
+            restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+            out = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
+                    metadata=ocp.args.JsonRestore(),
+                ),
+            )
+            state, metadata = out["state"], out["metadata"]
+            jax.block_until_ready(state)
+        except Exception as e:
+            raise CheckpointError(
+                f"{where} is truncated or corrupted: {type(e).__name__}: {e}"
+            ) from e
+        return step, state, metadata
+
+    # --------------------------------------------------------------------------- lifetime
+
+    def wait(self) -> None:
+        """Block until any in-flight (async) save is committed."""
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _data_shape(x) -> tuple[int, ...]:
+    # typed PRNG keys are stored as their uint32 key data: shape + impl key shape
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.eval_shape(jax.random.key_data, x).shape
+    return tuple(x.shape)
+
+
+def _check_tree(saved: dict, target: dict, where: str) -> None:
+    missing = sorted(_name(p) for p in saved.keys() - target.keys())
+    extra = sorted(_name(p) for p in target.keys() - saved.keys())
+    if missing or extra:
+        raise ValueError(
+            f"tree structure mismatch with {where}: in checkpoint but not in "
+            f"abstract_state: {missing}; in abstract_state but not in "
+            f"checkpoint: {extra}"
+        )
+    bad = [
+        f"{_name(p)}: saved {tuple(saved[p].shape)}, requested {tuple(target[p].shape)}"
+        for p in sorted(saved)
+        if _data_shape(target[p]) != tuple(saved[p].shape)
+    ]
+    if bad:
+        raise ValueError(f"shape mismatch with {where}: {bad}")

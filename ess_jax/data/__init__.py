@@ -1,0 +1,53 @@
+"""Prompts for RL and SFT: synthetic tasks, local-file datasets, tokenizers, batching.
+
+A leaf package: imports nothing else from ess_jax (and no jax).
+"""
+
+from ess_jax.data.batching import (
+    DEFAULT_BUCKETS,
+    PromptBatcher,
+    SFTBatcher,
+    repeat_for_group,
+    sft_batches,
+)
+from ess_jax.data.datasets import (
+    BUILDERS,
+    PROMPT_TEMPLATES,
+    LocalDataset,
+    get_builder,
+    load_dataset,
+)
+from ess_jax.data.tasks import TASKS, AdditionTask, CountdownTask, SortTask, Task, get_task
+from ess_jax.data.tokenizer import (
+    DEFAULT_ALPHABET,
+    char_tokenizer,
+    decode_completion,
+    encode_completion,
+    encode_prompt,
+    load_tokenizer,
+)
+
+__all__ = [
+    "BUILDERS",
+    "DEFAULT_ALPHABET",
+    "DEFAULT_BUCKETS",
+    "PROMPT_TEMPLATES",
+    "TASKS",
+    "AdditionTask",
+    "CountdownTask",
+    "LocalDataset",
+    "PromptBatcher",
+    "SFTBatcher",
+    "SortTask",
+    "Task",
+    "char_tokenizer",
+    "decode_completion",
+    "encode_completion",
+    "encode_prompt",
+    "get_builder",
+    "get_task",
+    "load_dataset",
+    "load_tokenizer",
+    "repeat_for_group",
+    "sft_batches",
+]

@@ -1,0 +1,183 @@
+"""From an ml_collections config to the run's parts: checks, model, tokenizer, data, reward.
+
+`validate(config)` runs before anything is compiled, so a typo in a config fails in a second
+with a message naming the field, not after minutes of XLA compilation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+
+from ess_jax import model as model_lib
+from ess_jax import objectives as obj_lib
+from ess_jax import rewards as rewards_lib
+from ess_jax import sharding as sharding_lib
+from ess_jax.data import char_tokenizer, get_task, load_dataset
+
+SYNTHETIC_TASKS = ("addition", "sort", "countdown")
+LOCAL_DATASETS = ("gsm8k", "deepscaler", "math")
+PRECISIONS = ("float32", "bfloat16", "fp8")
+
+
+def _fail(field: str, msg: str):
+    raise ValueError(f"config.{field}: {msg}")
+
+
+def _mesh_sizes(config) -> dict[str, int]:
+    sizes = {a: int(config.mesh.get(a, 1)) for a in sharding_lib.MESH_AXES}
+    unknown = set(config.mesh.keys()) - set(sharding_lib.MESH_AXES)
+    if unknown:
+        _fail("mesh", f"unknown axes {sorted(unknown)}; valid: {sharding_lib.MESH_AXES}")
+    n = jax.device_count()
+    if list(sizes.values()).count(-1) == 1:
+        known = math.prod(s for s in sizes.values() if s != -1)
+        if n % known:
+            _fail("mesh", f"{n} devices cannot be split into {sizes}")
+        sizes = {a: (n // known if s == -1 else s) for a, s in sizes.items()}
+    if math.prod(sizes.values()) != n:
+        _fail("mesh", f"{sizes} needs {math.prod(sizes.values())} devices, have {n}")
+    return sizes
+
+
+def validate(config) -> None:
+    """Every check that can be made without compiling; raises ValueError naming the field."""
+    try:
+        obj_lib.get_objective(config.objective.name)
+    except (ValueError, KeyError) as e:
+        _fail("objective.name", str(e))
+    obj_lib.ObjectiveConfig.from_dict(config.objective.to_dict())
+    if config.task.name not in SYNTHETIC_TASKS + LOCAL_DATASETS:
+        _fail(
+            "task.name",
+            f"unknown task {config.task.name!r}; valid: "
+            f"{', '.join(SYNTHETIC_TASKS + LOCAL_DATASETS)}",
+        )
+    if config.task.name in LOCAL_DATASETS and not os.path.isdir(str(config.task.manual_dir)):
+        _fail(
+            "task.manual_dir",
+            f"{config.task.manual_dir!r} is not a directory holding the {config.task.name} files",
+        )
+    try:
+        rewards_lib.get_reward(config.task.reward)
+    except (ValueError, KeyError) as e:
+        _fail("task.reward", str(e))
+    r = config.rollout
+    for field in ("precision", "external_precision"):
+        if r[field] not in PRECISIONS:
+            _fail(f"rollout.{field}", f"{r[field]!r} is not one of {PRECISIONS}")
+    if r.group_size < 1:
+        _fail("rollout.group_size", "must be >= 1")
+    if r.lag < 0:
+        _fail("rollout.lag", "must be >= 0")
+    if not 0.0 <= r.external_fraction < 1.0:
+        _fail("rollout.external_fraction", "must be in [0, 1)")
+    if r.external_fraction > 0:
+        if not r.external_checkpoint:
+            _fail("rollout.external_checkpoint", "needed when rollout.external_fraction > 0")
+        if round(r.external_fraction * r.group_size) in (0, r.group_size):
+            _fail(
+                "rollout.external_fraction",
+                f"{r.external_fraction} of a group of {r.group_size} rounds to no or all samples",
+            )
+        _check_checkpoint("rollout.external_checkpoint", r.external_checkpoint)
+    _check_checkpoint("model.source", config.model.source)
+    sizes = _mesh_sizes(config)
+    data_ranks = sizes["data"] * sizes["fsdp"]
+    batch = config.data.prompts_per_step * r.group_size
+    t = config.train
+    if batch % t.updates_per_batch:
+        _fail(
+            "train.updates_per_batch",
+            f"rollout batch {batch} (data.prompts_per_step x "
+            f"rollout.group_size) is not divisible by it",
+        )
+    per_update = batch // t.updates_per_batch
+    if per_update % t.num_microbatches:
+        _fail("train.num_microbatches", f"update batch {per_update} is not divisible by it")
+    if (per_update // t.num_microbatches) % data_ranks:
+        _fail(
+            "data.prompts_per_step",
+            f"micro-batch of {per_update // t.num_microbatches} "
+            f"sequences does not divide over {data_ranks} data ranks "
+            f"of mesh {sizes}",
+        )
+    if config.sft.steps and config.sft.batch_size % data_ranks:
+        _fail("sft.batch_size", f"not divisible by {data_ranks} data ranks")
+    if config.eval.every and (config.eval.batch_size * config.eval.k) % data_ranks:
+        _fail("eval.batch_size", f"eval batch x eval.k not divisible by {data_ranks} data ranks")
+
+
+def _check_checkpoint(field: str, source: str) -> None:
+    if source in ("embedded", "smollm2"):
+        return
+    if not os.path.exists(source):
+        _fail(field, f"checkpoint {source!r} does not exist")
+    if os.path.isdir(source) and not os.path.exists(os.path.join(source, "config.json")):
+        _fail(field, f"{source!r} has no config.json (not a Hugging Face checkpoint)")
+
+
+def load_policy(mcfg, mesh=None) -> tuple[model_lib.ModelConfig, Any, Any]:
+    """(cfg, params, tokenizer) for `model.source`: embedded | smollm2 | HF dir | .gguf."""
+    from ess_jax import weights  # heavy imports (safetensors, gguf) only when needed
+
+    source = mcfg.source
+    if source == "embedded":
+        tok = char_tokenizer()
+        cfg = model_lib.ModelConfig(
+            vocab_size=len(tok),
+            hidden_size=mcfg.hidden_size,
+            intermediate_size=mcfg.intermediate_size,
+            num_layers=mcfg.num_layers,
+            num_heads=mcfg.num_heads,
+            num_kv_heads=mcfg.num_kv_heads,
+            head_dim=mcfg.head_dim,
+            tie_embeddings=mcfg.tie_embeddings,
+            dtype=mcfg.dtype,
+            rope_theta=mcfg.rope_theta,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        params = model_lib.init_params(cfg, int(mcfg.init_seed))
+        if mesh is not None:
+            params = sharding_lib.reshard(params, sharding_lib.param_shardings(cfg, mesh))
+        return cfg, params, tok
+    path = weights.smollm2_gguf_path() if source == "smollm2" else source
+    cfg, params, tok = weights.load_checkpoint(path, mesh=mesh)
+    if tok is None:
+        raise ValueError(f"config.model.source: {path!r} has no tokenizer files")
+    return cfg.replace(dtype=mcfg.dtype), params, tok
+
+
+def load_examples(tcfg) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) example lists for `task.name`."""
+    if tcfg.name in SYNTHETIC_TASKS:
+        task = get_task(tcfg.name, **dict(tcfg.difficulty))
+        train = task.examples("train", tcfg.num_train or None)
+        test = task.examples("test", tcfg.num_test or None)
+    else:
+        train = list(load_dataset(tcfg.name, tcfg.manual_dir, "train"))
+        test = list(load_dataset(tcfg.name, tcfg.manual_dir, tcfg.test_split))
+        train, test = train[: tcfg.num_train or None], test[: tcfg.num_test or None]
+    if not train:
+        _fail("task", f"{tcfg.name}: the train split is empty")
+    if not test:
+        _fail("task", f"{tcfg.name}: the held-out split is empty")
+    return train, test
+
+
+def stop_ids(config, tokenizer) -> tuple[int, ...]:
+    ids = tuple(config.rollout.stop_ids)
+    if ids:
+        return ids
+    eos = tokenizer.eos_token_id
+    extra = [
+        tokenizer.convert_tokens_to_ids(t)
+        for t in ("<|im_end|>", "<|endoftext|>")
+        if t in tokenizer.get_vocab()
+    ]
+    return tuple(sorted({eos, *extra} - {None}))

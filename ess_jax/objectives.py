@@ -1,0 +1,461 @@
+"""Policy losses: the ESS objective (P3O), its dual anchor, baselines, and step-scope accumulation.
+
+Spec: shared/PAPER.md. Axis alphabet: B batch (sequences / packed rows), T time, M micro-batches.
+
+Every objective is `OBJECTIVES[name](logp_BxT, batch, config) -> (loss, metrics)` where `logp_BxT`
+is the trainer's float32 log-prob of the sampled tokens (it carries the gradient) and `batch` holds
+  behaviour_logp, advantages, mask      [B, T]  (required; mask bool or float)
+  prox_logp, ref_logp, entropy          [B, T]  (optional)
+  seq_ids                               [B, T]  int, index in [0, T) of a packed sequence in its row
+  ess, ess_prox, num_tokens, num_seqs   scalars (optional step statistics, see `step_statistics`)
+A loss is a SUM over the tokens given divided by normalisers from the step statistics. When the
+statistics describe the whole optimizer batch (ess_scope="step") the losses, gradients and additive
+metrics of micro-batches add up to those of the batch; `step_loss_and_grad` relies on this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ess_jax.kl import (  # noqa: F401  (re-exported: objectives is the public entry point)
+    KL_ESTIMATORS,
+    EssSums,
+    combine_ess_sums,
+    effective_sample_size,
+    entropy_from_logits,
+    ess_from_sums,
+    ess_sums,
+    full_kl,
+    get_kl_estimator,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+)
+
+Batch = Mapping[str, jax.Array]
+Metrics = dict[str, jax.Array]
+
+SCOPES = ("step", "microbatch")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+DUAL_VERSIONS = ("two_kl", "mixture")
+STAT_KEYS = ("ess", "ess_prox", "num_tokens", "num_seqs")
+METRIC_KEYS = (
+    "ess",
+    "ratio_mean",
+    "ratio_max",
+    "capped_frac",
+    "clip_frac",
+    "kl_behaviour",
+    "entropy_proxy",
+    "loss",
+)
+# How metrics of micro-batches combine (see combine_metrics); all other keys are additive.
+_MAX_METRICS = ("ratio_max",)
+_CONST_METRICS = ("ess", "ess_prox", "ess_mix")
+# PAPER.md: clipfrac is logged at a fixed [0.8, 1.2] band so every objective is comparable to PPO.
+NOMINAL_CLIP = 0.2
+# Clip ranges from the papers, applied by ObjectiveConfig.paper_defaults.
+_PAPER_CLIPS = {"dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """Objective knobs; defaults are the P3O reference-code behaviour."""
+
+    name: str = "p3o"  # a key of OBJECTIVES
+    ess_scope: str = "step"  # "step" (invariant to micro-batching) | "microbatch" (reference code)
+    kl_estimator: str = "k3"  # KL to pi_b / pi_prox / pi_mix: k1 | k2 | k3
+    ref_kl_estimator: str = "k3"  # KL to the frozen reference (beta_kl)
+    aggregation: str = "token_mean"  # see AGGREGATIONS
+    constant_normalizer: float = 1.0  # "constant": sum / (num_seqs * constant_normalizer)
+    clip_eps_low: float = 0.2  # grpo/dapo/cispo/gspo/decoupled_ppo (paper_defaults for dapo/gspo)
+    clip_eps_high: float = 0.2
+    dual_version: str = "mixture"  # p3o_dual: "two_kl" | "mixture" (reference HEAD)
+    dual_kl_gate: float = 1e-6  # mixture: KL term skipped when 1 - e_mix <= gate
+    behaviour_weight_cap: float | None = None  # decoupled_ppo: cap on pi_prox / pi_b
+    beta_kl: float = 0.0  # KL to frozen reference (needs batch["ref_logp"])
+    beta_ent: float = 0.0  # entropy bonus (batch["entropy"] if given, else proxy -logp)
+
+    def __post_init__(self):
+        choices = {
+            "name": OBJECTIVES,
+            "ess_scope": SCOPES,
+            "kl_estimator": KL_ESTIMATORS,
+            "ref_kl_estimator": KL_ESTIMATORS,
+            "aggregation": AGGREGATIONS,
+            "dual_version": DUAL_VERSIONS,
+        }
+        for field, valid in choices.items():
+            if getattr(self, field) not in valid:
+                raise ValueError(f"{field}={getattr(self, field)!r}; valid: {sorted(valid)}")
+        if self.constant_normalizer <= 0:
+            raise ValueError(f"constant_normalizer must be > 0, got {self.constant_normalizer}")
+        if min(self.clip_eps_low, self.clip_eps_high) < 0:
+            raise ValueError("clip_eps_low and clip_eps_high must be >= 0")
+        if self.behaviour_weight_cap is not None and self.behaviour_weight_cap <= 0:
+            raise ValueError(f"behaviour_weight_cap must be > 0, got {self.behaviour_weight_cap}")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ObjectiveConfig:
+        """From a dict or ml_collections ConfigDict; unknown keys raise ValueError."""
+        d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown ObjectiveConfig keys: {unknown}")
+        return cls(**d)
+
+    @classmethod
+    def paper_defaults(cls, name: str, **overrides: Any) -> ObjectiveConfig:
+        """Config for `name` with its paper clip range (DAPO 0.2/0.28, GSPO 3e-4/4e-4)."""
+        low, high = _PAPER_CLIPS.get(name, (0.2, 0.2))
+        return cls(**{"name": name, "clip_eps_low": low, "clip_eps_high": high, **overrides})
+
+
+# ------------------------------------------------------------------ step statistics
+
+
+def _seq_sum(x_BxT: jax.Array, seq_ids_BxT: jax.Array | None) -> jax.Array:
+    """Per token, the sum of x over the token's sequence (its row, or its packed segment)."""
+    if seq_ids_BxT is None:
+        return jnp.broadcast_to(x_BxT.sum(-1, keepdims=True), x_BxT.shape)
+    b, t = x_BxT.shape
+    ids = (jnp.arange(b)[:, None] * t + seq_ids_BxT.astype(jnp.int32)).reshape(-1)
+    sums = jax.ops.segment_sum(x_BxT.reshape(-1), ids, num_segments=b * t)
+    return sums[ids].reshape(b, t)
+
+
+def step_statistics(logp_BxT: jax.Array, batch: Batch) -> dict[str, jax.Array]:
+    """ess (vs pi_b), ess_prox (if prox_logp), num_tokens and num_seqs of the arrays given."""
+    mask = batch["mask"].astype(bool)
+    logp = jnp.where(mask, jax.lax.stop_gradient(logp_BxT).astype(jnp.float32), 0.0)
+    stats = {
+        "ess": effective_sample_size(logp - batch["behaviour_logp"], mask),
+        "num_tokens": jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32),
+    }
+    if batch.get("seq_ids") is None:
+        stats["num_seqs"] = jnp.sum(mask.any(-1), dtype=jnp.int32).astype(jnp.float32)
+    else:  # each valid token carries 1/len(its sequence): the sum counts sequences.
+        maskf = mask.astype(jnp.float32)
+        seq_len = jnp.maximum(_seq_sum(maskf, batch["seq_ids"]), 1.0)
+        stats["num_seqs"] = jnp.round(jnp.sum(maskf / seq_len))
+    if "prox_logp" in batch:
+        stats["ess_prox"] = effective_sample_size(logp - batch["prox_logp"], mask)
+    return stats
+
+
+# ------------------------------------------------------------ shared objective parts
+
+
+class _Ctx(NamedTuple):
+    mask: jax.Array  # bool
+    maskf: jax.Array
+    logp: jax.Array  # pads zeroed; carries the gradient
+    blogp: jax.Array
+    adv: jax.Array
+    log_ratio: jax.Array  # logp - blogp, 0 on pads; carries the gradient
+    rho: jax.Array
+    stats: dict[str, jax.Array]
+    loss_w: jax.Array  # per-token aggregation weights (0 on pads)
+    metric_w: jax.Array  # per-token weights of token-mean metrics: 1 / global num_tokens
+
+
+def _aux(batch: Batch, key: str, mask: jax.Array, objective: str) -> jax.Array:
+    if key not in batch:
+        raise ValueError(f"objective {objective!r} needs batch[{key!r}]")
+    return jnp.where(mask, jax.lax.stop_gradient(batch[key]).astype(jnp.float32), 0.0)
+
+
+def _prepare(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> _Ctx:
+    mask = batch["mask"].astype(bool)
+    maskf = mask.astype(jnp.float32)
+    # Pads may hold anything (0, -inf, garbage): replace them before any arithmetic so neither
+    # the value nor the gradient can meet inf * 0 = nan.
+    logp = jnp.where(mask, logp_BxT.astype(jnp.float32), 0.0)
+    blogp = _aux(batch, "behaviour_logp", mask, config.name)
+    adv = _aux(batch, "advantages", mask, config.name)
+    given = {k: jnp.asarray(batch[k], jnp.float32) for k in STAT_KEYS if k in batch}
+    # Statistics not supplied by the caller come from this batch (unused ones are DCE'd by XLA).
+    stats = jax.lax.stop_gradient({**step_statistics(logp, batch), **given})
+    n_tok, n_seq = jnp.maximum(stats["num_tokens"], 1.0), jnp.maximum(stats["num_seqs"], 1.0)
+    if config.aggregation == "token_mean":
+        loss_w = maskf / n_tok
+    elif config.aggregation == "seq_mean_token_mean":
+        seq_len = jnp.maximum(_seq_sum(maskf, batch.get("seq_ids")), 1.0)
+        loss_w = maskf / (seq_len * n_seq)
+    elif config.aggregation == "seq_mean_token_sum":
+        loss_w = maskf / n_seq
+    else:  # Dr.GRPO: a constant (e.g. the max generation length) per sequence
+        loss_w = maskf / (n_seq * config.constant_normalizer)
+    log_ratio = logp - blogp
+    return _Ctx(
+        mask, maskf, logp, blogp, adv, log_ratio, jnp.exp(log_ratio), stats, loss_w, maskf / n_tok
+    )
+
+
+def _finish(
+    c: _Ctx,
+    batch: Batch,
+    config: ObjectiveConfig,
+    loss_BxT: jax.Array,
+    pg_BxT: jax.Array,
+    capped_BxT: jax.Array,
+    extras: Metrics | None = None,
+) -> tuple[jax.Array, Metrics]:
+    """Adds the optional reference-KL and entropy terms, aggregates, and builds the metrics."""
+    sg = jax.lax.stop_gradient
+    metrics = dict(extras or {})
+    if config.beta_kl:
+        ref_logp = _aux(batch, "ref_logp", c.mask, config.name)
+        kl_ref = get_kl_estimator(config.ref_kl_estimator)(c.logp, ref_logp)
+        loss_BxT = loss_BxT + config.beta_kl * kl_ref
+        metrics["kl_ref"] = jnp.sum(c.metric_w * sg(kl_ref))
+    if config.beta_ent:
+        ent = -c.logp if "entropy" not in batch else jnp.where(c.mask, batch["entropy"], 0.0)
+        loss_BxT = loss_BxT - config.beta_ent * ent
+    loss = jnp.sum(c.loss_w * loss_BxT)
+    rho = sg(c.rho)
+    outside = (rho > 1.0 + NOMINAL_CLIP) | (rho < 1.0 - NOMINAL_CLIP)
+    metrics.update(
+        ess=c.stats["ess"],
+        ratio_mean=jnp.sum(c.metric_w * rho),
+        ratio_max=jnp.max(jnp.where(c.mask, rho, 0.0)),
+        capped_frac=jnp.sum(c.metric_w * capped_BxT),
+        clip_frac=jnp.sum(c.metric_w * outside),
+        kl_behaviour=jnp.sum(c.metric_w * kl_k3(sg(c.logp), c.blogp)),
+        entropy_proxy=-jnp.sum(c.metric_w * sg(c.logp)),
+        pg_loss=jnp.sum(c.loss_w * sg(pg_BxT)),
+        loss=sg(loss),
+    )
+    return loss, metrics
+
+
+def _ppo_clip(ratio, adv, config):
+    """-min(r A, clip(r) A) and where the clipped branch is strictly active (zero gradient)."""
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high) * adv
+    return -jnp.minimum(unclipped, clipped), jax.lax.stop_gradient(clipped < unclipped)
+
+
+# ------------------------------------------------------------------------ objectives
+
+
+def p3o(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """-sg(min(rho, e)) logp A + (1 - e) KL(pi || pi_b): PAPER.md, no hyper-parameters."""
+    c = _prepare(logp_BxT, batch, config)
+    ess = c.stats["ess"]
+    pg = -jax.lax.stop_gradient(jnp.minimum(c.rho, ess)) * c.logp * c.adv
+    kl = get_kl_estimator(config.kl_estimator)(c.logp, c.blogp)
+    return _finish(c, batch, config, pg + (1.0 - ess) * kl, pg, c.rho > ess)
+
+
+def p3o_dual(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """Dual anchor (P4O): caps at min(e_b, e_prox); "two_kl" or "mixture" trust region."""
+    c = _prepare(logp_BxT, batch, config)
+    prox = _aux(batch, "prox_logp", c.mask, config.name)
+    kl_fn = get_kl_estimator(config.kl_estimator)
+    e_b, e_p = c.stats["ess"], c.stats["ess_prox"]
+    e_mix = jnp.minimum(e_b, e_p)
+    pg = -jax.lax.stop_gradient(jnp.minimum(c.rho, e_mix)) * c.logp * c.adv
+    if config.dual_version == "two_kl":
+        trust = (1.0 - e_b) * kl_fn(c.logp, c.blogp) + (1.0 - e_p) * kl_fn(c.logp, prox)
+    else:
+        w_b, w_p = jnp.maximum(0.0, 1.0 - e_b), jnp.maximum(0.0, 1.0 - e_p)
+        gate = (1.0 - e_mix) > config.dual_kl_gate
+        # 1e-30 (reference eps_log) keeps log finite when one weight is 0; the live anchor then
+        # dominates. With the gate closed, w_b + w_p may be 0: divide by 1 instead (term is 0).
+        log_mix = jnp.logaddexp(
+            jnp.log(w_b + 1e-30) + c.blogp, jnp.log(w_p + 1e-30) + prox
+        ) - jnp.log(jnp.where(gate, w_b + w_p, 1.0))
+        trust = jnp.where(gate, 1.0 - e_mix, 0.0) * kl_fn(c.logp, log_mix)
+    extras = {"ess_prox": e_p, "ess_mix": e_mix}
+    return _finish(c, batch, config, pg + trust, pg, c.rho > e_mix, extras)
+
+
+def grpo(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """PPO clip: -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A). Also DAPO's loss."""
+    c = _prepare(logp_BxT, batch, config)
+    pg, capped = _ppo_clip(c.rho, c.adv, config)
+    return _finish(c, batch, config, pg, pg, capped)
+
+
+def cispo(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """-sg(clip(rho, 1 - eps_low, 1 + eps_high)) logp A (two-sided clip, as the reference code)."""
+    c = _prepare(logp_BxT, batch, config)
+    lo, hi = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
+    pg = -jax.lax.stop_gradient(jnp.clip(c.rho, lo, hi)) * c.logp * c.adv
+    return _finish(c, batch, config, pg, pg, (c.rho > hi) | (c.rho < lo))
+
+
+def _gspo(logp_BxT, batch, config, token_level: bool):
+    c = _prepare(logp_BxT, batch, config)
+    seq_ids = batch.get("seq_ids")
+    seq_len = jnp.maximum(_seq_sum(c.maskf, seq_ids), 1.0)
+    seq_log_ratio = _seq_sum(c.log_ratio * c.maskf, seq_ids) / seq_len  # length-normalised
+    if token_level:  # s_i,t = sg(s_i) * pi / sg(pi): per-token advantages allowed
+        sg = jax.lax.stop_gradient
+        seq_log_ratio = sg(seq_log_ratio) + c.logp - sg(c.logp)
+    pg, capped = _ppo_clip(jnp.exp(seq_log_ratio), c.adv, config)
+    return _finish(c, batch, config, pg, pg, capped)
+
+
+def gspo(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """GSPO: PPO clip on the sequence ratio exp(mean_t log rho); the GSPO paper's aggregation
+    is seq_mean_token_mean (the reference code uses the global token mean)."""
+    return _gspo(logp_BxT, batch, config, token_level=False)
+
+
+def gspo_token(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """GSPO-token: same value and (for per-sequence A) same gradient as GSPO."""
+    return _gspo(logp_BxT, batch, config, token_level=True)
+
+
+def decoupled_ppo(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """-w min(r A, clip(r) A), r = pi / pi_prox, w = pi_prox / pi_b (capped if configured)."""
+    c = _prepare(logp_BxT, batch, config)
+    prox = _aux(batch, "prox_logp", c.mask, config.name)
+    weight = jnp.exp(prox - c.blogp)
+    weight_capped = jnp.zeros_like(c.mask)
+    if config.behaviour_weight_cap is not None:
+        weight_capped = weight > config.behaviour_weight_cap
+        weight = jnp.minimum(weight, config.behaviour_weight_cap)
+    clip_loss, capped = _ppo_clip(jnp.exp(c.logp - prox), c.adv, config)
+    pg = weight * clip_loss
+    extras = {
+        "ess_prox": c.stats["ess_prox"],
+        "behaviour_weight_mean": jnp.sum(c.metric_w * weight),
+        "behaviour_capped_frac": jnp.sum(c.metric_w * weight_capped),
+    }
+    return _finish(c, batch, config, pg, pg, capped, extras)
+
+
+def reinforce(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """Plain on-policy REINFORCE: -logp A (no importance weight)."""
+    c = _prepare(logp_BxT, batch, config)
+    pg = -c.logp * c.adv
+    return _finish(c, batch, config, pg, pg, jnp.zeros_like(c.mask))
+
+
+Objective = Callable[[jax.Array, Batch, ObjectiveConfig], tuple[jax.Array, Metrics]]
+OBJECTIVES: dict[str, Objective] = {
+    "p3o": p3o,
+    "p3o_dual": p3o_dual,
+    "grpo": grpo,
+    "dapo": grpo,  # DAPO = clip-higher (paper_defaults) + token mean + advantages.py filters
+    "cispo": cispo,
+    "gspo": gspo,
+    "gspo_token": gspo_token,
+    "decoupled_ppo": decoupled_ppo,
+    "reinforce": reinforce,
+}
+
+
+def get_objective(name: str) -> Objective:
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; valid: {sorted(OBJECTIVES)}")
+    return OBJECTIVES[name]
+
+
+# ------------------------------------------------------------- step-scope accumulation
+
+
+def combine_metrics(metrics_M: Metrics, ess_scope: str) -> Metrics:
+    """Reduce metrics stacked over micro-batches (leading axis M) to step metrics.
+
+    "step": token means were divided by the global token count, so they add up; ESS values are
+    shared (mean); ratio_max is a max. "microbatch": every micro-batch normalised locally, so
+    the reference-code mean over micro-batches is taken (ratio_max still a max).
+    """
+    out = {}
+    for key, value in metrics_M.items():
+        if key in _MAX_METRICS:
+            out[key] = jnp.max(value, axis=0)
+        elif ess_scope == "step" and key not in _CONST_METRICS:
+            out[key] = jnp.sum(value, axis=0)
+        else:
+            out[key] = jnp.mean(value, axis=0)
+    return out
+
+
+def _split(x: jax.Array, m: int) -> jax.Array:
+    # Strided micro-batches (rows m, m + M, ...): with the batch sharded over "data", every
+    # micro-batch keeps rows on every device, so no resharding happens inside the scan.
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def _merge(x_M: jax.Array) -> jax.Array:
+    return x_M.swapaxes(0, 1).reshape(-1, *x_M.shape[2:])
+
+
+def step_loss_and_grad(
+    logp_fn: Callable[[Any, Batch], Any],
+    params: Any,
+    batch: Batch,
+    config: ObjectiveConfig,
+    num_microbatches: int = 1,
+) -> tuple[jax.Array, Any, Metrics]:
+    """Loss, gradient and metrics of one optimizer batch, accumulated over micro-batches.
+
+    `logp_fn(params, micro_batch)` returns logp_BxT (float32), or (logp_BxT, extras) whose
+    extras (e.g. "entropy" [B, T]) are added to the micro-batch. Arrays of `batch` with a
+    leading batch axis are split; scalars are shared. ess_scope "step": a no-grad statistics
+    pass over all micro-batches fixes ess / ess_prox / num_tokens / num_seqs (caller-supplied
+    ones win), then a lax.scan sums the micro-batch losses and gradients. "microbatch": each
+    micro-batch uses its own statistics and the results are averaged (reference code).
+    """
+    objective = get_objective(config.name)
+    m = num_microbatches
+    batch_size = batch["mask"].shape[0]
+    if m < 1 or batch_size % m:
+        raise ValueError(f"batch size {batch_size} is not divisible by num_microbatches={m}")
+    step_scope = config.ess_scope == "step"
+
+    def loss_fn(p, mb):
+        out = logp_fn(p, mb)
+        logp, extras = out if isinstance(out, tuple) else (out, {})
+        return objective(logp, {**mb, **extras}, config)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    shared = {k: v for k, v in batch.items() if jnp.ndim(v) == 0}
+    if not step_scope:
+        shared = {k: v for k, v in shared.items() if k not in STAT_KEYS}
+    rows = {k: v for k, v in batch.items() if jnp.ndim(v) > 0}
+    if m == 1:  # one micro-batch: the objective's own statistics are the step's
+        (loss, metrics), grads = grad_fn(params, {**rows, **shared})
+        return loss, grads, metrics
+
+    micro = {k: _split(v, m) for k, v in rows.items()}
+    needed = ("ess", "num_tokens", "num_seqs") + (("ess_prox",) if "prox_logp" in batch else ())
+    if step_scope and not all(k in shared for k in needed):
+        frozen = jax.lax.stop_gradient(params)
+
+        def stats_pass(_, mb):
+            out = logp_fn(frozen, {**mb, **shared})
+            return None, (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
+
+        _, logp_MxBxT = jax.lax.scan(stats_pass, None, micro)
+        shared = {**step_statistics(_merge(logp_MxBxT), rows), **shared}
+
+    def accumulate(grads_acc, mb):
+        (loss, metrics), grads = grad_fn(params, {**mb, **shared})
+        # Accumulate in float32 even for low-precision params: M partial sums lose bits.
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+        return grads_acc, (loss, metrics)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    grads, (loss_M, metrics_M) = jax.lax.scan(accumulate, zeros, micro)
+    scale = 1.0 if step_scope else 1.0 / m
+    grads = jax.tree.map(lambda g, p: (g * scale).astype(jnp.result_type(p)), grads, params)
+    return jnp.sum(loss_M) * scale, grads, combine_metrics(metrics_M, config.ess_scope)

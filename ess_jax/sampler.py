@@ -1,0 +1,392 @@
+"""In-JAX sampler: jitted prefill + `lax.while_loop` decode that records exact log-probs.
+
+Axis alphabet: B rows (prompts * num_samples), P prompt length, T response length
+(= max_new_tokens), S cache length (= bucketed P + T), V vocab.
+
+Per sampled token the sampler records three float32 log-quantities (0 on masked positions):
+  raw_logp        log pi(y_t) over the full vocabulary at temperature 1 in the sampler's
+                  precision: what the trainer's `model.token_logprobs` recomputes (tested
+                  equal to <= 1e-5 in float32).
+  behaviour_logp  log of the probability with which y_t was *actually drawn*: after
+                  temperature, top-k and top-p, renormalised over the kept support.
+  log_kept_mass   log of the tempered probability mass of that kept support (0 when nothing
+                  is truncated), so behaviour_logp = log_softmax(logits / T)[y_t] - log_kept_mass.
+
+The objectives use `behaviour_logp` as pi_b. The importance ratio exp(logp - blogp) corrects
+for the distribution the data came from; that is the truncated, tempered, low-precision
+distribution the sampler drew from, not the full-vocabulary temperature-1 one. Using
+`raw_logp` instead would silently hide every off-policy source the paper studies
+(temperature, truncation; precision shows up in both) and give ratios ~1 where they are not.
+Greedy decoding (temperature 0) draws from a point mass on the argmax, so its
+behaviour_logp = log 1 = 0 and log_kept_mass = 0 (the T -> 0 limit).
+
+Sampler precision (`sample(..., precision=)`): "float32"; "bfloat16" (weight matrices and
+compute in bfloat16, norms/statistics in float32 as in the model); "fp8" (the seven block
+matrices q/k/v/o/gate/up/down stored as float8_e4m3fn with per-output-channel float32
+scales and dequantised into each forward's bfloat16 matmuls; embedding and LM head stay
+bfloat16, as in common FP8 serving recipes). The low-precision modes reproduce the
+train/inference mismatch of the paper's FP8-rollout experiment.
+
+Compilation: prompts are left-padded further to a power-of-two bucket, the cache length is
+bucket + max_new_tokens, and temperature / top_p are traced, so a run compiles once per
+(model, batch, bucket, max_new_tokens, num_samples, top_k, stop_ids, precision, mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+
+from ess_jax import model
+from ess_jax import sharding as shd
+
+PRECISIONS = ("float32", "bfloat16", "fp8")
+_MIN_BUCKET = 16
+_FP8 = jnp.float8_e4m3fn
+_FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
+# weight matrix name -> its contraction (input) axes; the rest are output channels
+_FP8_INPUT_AXES = {"q": (0,), "k": (0,), "v": (0,), "o": (0, 1), "gate": (0,), "up": (0,),
+                   "down": (0,)}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How to draw. temperature 0 = greedy; top_k 0 and top_p 1.0 = off (composable:
+    temperature, then top-k, then top-p over the renormalised top-k distribution).
+    `stop_ids=None` uses the model config's eos_token_id; () means no stop token."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    num_samples: int = 1
+    stop_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
+            raise ValueError(f"invalid sampling config {self}")
+        if self.max_new_tokens < 1 or self.num_samples < 1:
+            raise ValueError(f"max_new_tokens and num_samples must be >= 1: {self}")
+
+    def replace(self, **kw) -> SamplingConfig:
+        return dataclasses.replace(self, **kw)
+
+
+@struct.dataclass
+class SampleOutput:
+    """Row i*n + j is sample j of prompt i. [B, T] fields cover response positions only."""
+
+    tokens: jax.Array  # [B, T] int32, pad id after the stop token
+    response_mask: jax.Array  # [B, T] bool: sampled tokens, the stop token included
+    behaviour_logp: jax.Array  # [B, T] float32: log pi_b, the drawing distribution
+    raw_logp: jax.Array  # [B, T] float32: full-vocab, temperature-1 log-prob
+    log_kept_mass: jax.Array  # [B, T] float32: log tempered mass of the kept support
+    lengths: jax.Array  # [B] int32: response tokens, stop token included
+    finished: jax.Array  # [B] bool: ended with a stop token (False: hit max_new_tokens)
+    sequences: jax.Array  # [B, P+T] int32: the (original-width) prompt, then the response
+    sequence_mask: jax.Array  # [B, P+T] bool: what the trainer teacher-forces on
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything that changes the compiled program (the compile-cache key)."""
+
+    max_new_tokens: int
+    num_samples: int
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    stop_ids: tuple[int, ...]
+    pad_id: int
+
+
+@struct.dataclass
+class _DecodeState:
+    step: jax.Array  # int32 scalar: the next response column to fill
+    tokens: jax.Array  # [B, T]
+    mask: jax.Array  # [B, T]
+    behaviour_logp: jax.Array
+    raw_logp: jax.Array
+    log_kept_mass: jax.Array
+    done: jax.Array  # [B]: emitted a stop token
+    positions: jax.Array  # [B]: RoPE position of the last sampled token
+    cache: list
+    kv_mask: jax.Array  # [B, S]
+    rng: jax.Array
+
+
+def bucket_length(p: int) -> int:
+    """Prompt width after bucketing: the next power of two, at least 16."""
+    return max(_MIN_BUCKET, 1 << max(p - 1, 0).bit_length())
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+def _prepare_params(params, precision: str):
+    """Sampler-side copy of the params. Norm vectors stay float32 (the model does its
+    statistics in float32 either way); casting matrices here rather than inside every
+    decode step is numerically identical to the model's own `.astype(compute_dtype)`."""
+    def leaf(path, x):
+        name = getattr(path[-1], "key", None)
+        if x.ndim < 2:
+            return x
+        if precision == "fp8" and name in _FP8_INPUT_AXES:
+            axes = _FP8_INPUT_AXES[name]
+            amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
+            scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0).astype(jnp.float32)
+            return {"w8": (x / scale).astype(_FP8), "scale": scale}
+        return x.astype(jnp.bfloat16)
+
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def _dequantize(params):
+    """fp8 {'w8', 'scale'} leaves -> bfloat16 matrices, inside the forward that uses them."""
+    def is_q(x):
+        return isinstance(x, dict) and set(x) == {"w8", "scale"}
+
+    return jax.tree.map(
+        lambda x: (x["w8"].astype(jnp.float32) * x["scale"]).astype(jnp.bfloat16)
+        if is_q(x) else x, params, is_leaf=is_q)
+
+
+@functools.lru_cache(maxsize=8)
+def _prepare_fn(precision: str):
+    return jax.jit(functools.partial(_prepare_params, precision=precision))
+
+
+# ----------------------------------------------------------------------------- one draw
+
+
+def _kept_support(scaled_BxV, top_k: int, top_p, use_top_p: bool):
+    """Boolean mask of the tokens that may be drawn (by value, so ties are kept together)."""
+    keep = jnp.ones(scaled_BxV.shape, bool)
+    vals = None
+    if 0 < top_k < scaled_BxV.shape[-1]:
+        vals = jax.lax.top_k(scaled_BxV, top_k)[0]  # sorted descending
+        keep = scaled_BxV >= vals[:, -1:]
+    if use_top_p:
+        if vals is None:
+            vals = -jnp.sort(-scaled_BxV, axis=-1)
+        probs = jax.nn.softmax(vals, axis=-1)
+        # mass strictly before each token in descending order; keep while it is < top_p
+        before = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))
+        n_keep = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1
+        thresh = jnp.take_along_axis(vals, n_keep - 1, axis=-1)
+        keep = keep & (scaled_BxV >= thresh)
+    return keep
+
+
+def _draw(logits_BxV, key, temperature, top_p, st: _Static):
+    """token, behaviour_logp, raw_logp, log_kept_mass for one step (all float32)."""
+    logits = logits_BxV.astype(jnp.float32)
+    raw_lse = jax.nn.logsumexp(logits, axis=-1)
+
+    def pick(x, tok):
+        return jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0]
+
+    if st.greedy:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        zero = jnp.zeros(tok.shape, jnp.float32)
+        return tok, zero, pick(logits, tok) - raw_lse, zero
+    scaled = logits / temperature
+    truncated = (0 < st.top_k < logits.shape[-1]) or st.use_top_p
+    if truncated:
+        keep = _kept_support(scaled, st.top_k, top_p, st.use_top_p)
+        masked = jnp.where(keep, scaled, -jnp.inf)
+    else:
+        masked = scaled
+    # mode="high": the default gumbel noise is biased for events with p < ~1e-7, and the
+    # recorded log-probs must describe the drawing distribution exactly.
+    tok = jax.random.categorical(key, masked, axis=-1, mode="high").astype(jnp.int32)
+    kept_lse = jax.nn.logsumexp(masked, axis=-1)
+    behaviour = pick(scaled, tok) - kept_lse
+    if truncated:
+        kept_mass = kept_lse - jax.nn.logsumexp(scaled, axis=-1)
+    else:
+        kept_mass = jnp.zeros(tok.shape, jnp.float32)
+    return tok, behaviour, pick(logits, tok) - raw_lse, kept_mass
+
+
+# ----------------------------------------------------------------------------- jitted parts
+
+
+def _constrain(tree, mesh: Mesh | None, logical):
+    if mesh is None or mesh.size == 1:
+        return tree
+
+    def one(x, names):
+        spec = shd.logical_to_spec(names[: x.ndim], x.shape, mesh, shd.SAMPLE_RULES)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return jax.tree.map(lambda x: one(x, logical), tree)
+
+
+def _constrain_state(s: _DecodeState, mesh) -> _DecodeState:
+    rows = ("batch", None)
+    return s.replace(
+        tokens=_constrain(s.tokens, mesh, rows), mask=_constrain(s.mask, mesh, rows),
+        behaviour_logp=_constrain(s.behaviour_logp, mesh, rows),
+        raw_logp=_constrain(s.raw_logp, mesh, rows),
+        log_kept_mass=_constrain(s.log_kept_mass, mesh, rows),
+        done=_constrain(s.done, mesh, rows), positions=_constrain(s.positions, mesh, rows),
+        kv_mask=_constrain(s.kv_mask, mesh, rows),
+        cache=_constrain(s.cache, mesh, ("batch", None, "kv_heads", "head_dim")))
+
+
+def _write(s: _DecodeState, col, tok, blp, rlp, lkm, active, st: _Static) -> _DecodeState:
+    def put(buf, val, fill):
+        return jax.lax.dynamic_update_slice_in_dim(
+            buf, jnp.where(active, val, fill).astype(buf.dtype)[:, None], col, axis=1)
+
+    stop = jnp.isin(tok, jnp.asarray(st.stop_ids, jnp.int32)) if st.stop_ids else False
+    return s.replace(
+        tokens=put(s.tokens, tok, st.pad_id), mask=put(s.mask, active, False),
+        behaviour_logp=put(s.behaviour_logp, blp, 0.0), raw_logp=put(s.raw_logp, rlp, 0.0),
+        log_kept_mass=put(s.log_kept_mass, lkm, 0.0), done=s.done | (active & stop))
+
+
+def _prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, mesh):
+    """Prompt forward on the B unique prompts, repeat n times, draw response token 0."""
+    params = _dequantize(params)
+    b, p = prompts_BxP.shape
+    t, n = st.max_new_tokens, st.num_samples
+    kv_mask = jnp.concatenate([mask_BxP, jnp.ones((b, t), bool)], axis=1)
+    positions = model.positions_from_mask(mask_BxP)
+    logits, cache = model.forward(cfg, params, prompts_BxP, positions, kv_mask,
+                                  model.init_cache(cfg, b, p + t), 0)
+    rep = functools.partial(jnp.repeat, repeats=n, axis=0)  # sample j of prompt i: row i*n+j
+    zeros = jnp.zeros((b * n, t), jnp.float32)
+    s = _DecodeState(
+        step=jnp.ones((), jnp.int32), tokens=jnp.full((b * n, t), st.pad_id, jnp.int32),
+        mask=jnp.zeros((b * n, t), bool), behaviour_logp=zeros, raw_logp=zeros,
+        log_kept_mass=zeros, done=jnp.zeros((b * n,), bool), positions=rep(positions[:, -1]) + 1,
+        cache=jax.tree.map(rep, cache), kv_mask=rep(kv_mask), rng=rng)
+    s = _constrain_state(s, mesh)
+    last = _constrain(rep(logits[:, -1]), mesh, ("batch", None))
+    tok, blp, rlp, lkm = _draw(last, jax.random.fold_in(rng, 0), temperature, top_p, st)
+    return _write(s, 0, tok, blp, rlp, lkm, jnp.ones((b * n,), bool), st)
+
+
+def _decode(params, s: _DecodeState, temperature, top_p, *, cfg, st, mesh):
+    """Draw response tokens 1..T-1, stopping early once every row has emitted a stop id."""
+    prompt_width = s.kv_mask.shape[1] - st.max_new_tokens
+
+    def cond(s):
+        return (s.step < st.max_new_tokens) & ~jnp.all(s.done)
+
+    def body(s):
+        prev = jax.lax.dynamic_index_in_dim(s.tokens, s.step - 1, axis=1, keepdims=True)
+        logits, cache = model.forward(cfg, _dequantize(params), prev, s.positions[:, None],
+                                      s.kv_mask, s.cache, prompt_width + s.step - 1)
+        logits = _constrain(logits[:, 0], mesh, ("batch", None))  # whole vocab rows per device
+        key = jax.random.fold_in(s.rng, s.step)
+        tok, blp, rlp, lkm = _draw(logits, key, temperature, top_p, st)
+        s = _write(s.replace(cache=cache), s.step, tok, blp, rlp, lkm, ~s.done, st)
+        return _constrain_state(s.replace(step=s.step + 1, positions=s.positions + 1), mesh)
+
+    return jax.lax.while_loop(cond, body, s)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(cfg: model.ModelConfig, st: _Static, mesh: Mesh | None):
+    """(prefill, decode) jitted for one static configuration; jit caches per shape."""
+    kw = dict(cfg=cfg, st=st, mesh=mesh)
+    prefill = jax.jit(functools.partial(_prefill, **kw))
+    # the state (KV cache and buffers) is donated: decode updates it in place
+    decode = jax.jit(functools.partial(_decode, **kw), donate_argnums=(1,))
+    return prefill, decode
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+_compiled_keys: set = set()
+
+
+def _infer_mesh(params) -> Mesh | None:
+    sh = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    return sh.mesh if isinstance(sh, NamedSharding) and sh.mesh.size > 1 else None
+
+
+def _place(x, mesh: Mesh | None):
+    if mesh is None or mesh.size == 1:
+        return jnp.asarray(x)
+    spec = shd.logical_to_spec(("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh,
+                               shd.SAMPLE_RULES)
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def sample(cfg: model.ModelConfig, params, prompt_tokens_BxP, prompt_mask_BxP,
+           sampling: SamplingConfig, rng: jax.Array, *, precision: str = "float32",
+           mesh: Mesh | None = None) -> SampleOutput:
+    """Draw `sampling.num_samples` completions of each left-padded prompt.
+
+    `precision` is the sampler's numeric mode (float32 | bfloat16 | fp8, see the module
+    docstring). With a `mesh` (default: the mesh the params live on, if any) the params are
+    moved to the sample layout if they are not there yet and the rows are split over the
+    data axes; the numbers are the same as unsharded.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} not in {PRECISIONS}")
+    mask_np = np.asarray(prompt_mask_BxP).astype(bool)
+    tokens_np = np.asarray(prompt_tokens_BxP).astype(np.int32)
+    if mask_np.ndim != 2 or mask_np.shape != tokens_np.shape:
+        raise ValueError(f"prompt tokens {tokens_np.shape} and mask {mask_np.shape} must be BxP")
+    if not mask_np[:, -1].all():
+        raise ValueError("prompts must be left-padded: the last column must be real tokens")
+    b, p = tokens_np.shape
+    pad_id = int(cfg.pad_token_id or 0)
+    pb = bucket_length(p)
+    tokens_np = np.pad(tokens_np, ((0, 0), (pb - p, 0)), constant_values=pad_id)
+    mask_np = np.pad(mask_np, ((0, 0), (pb - p, 0)))
+
+    stop_ids = sampling.stop_ids
+    if stop_ids is None:
+        eos = cfg.eos_token_id
+        stop_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    st = _Static(max_new_tokens=sampling.max_new_tokens, num_samples=sampling.num_samples,
+                 greedy=sampling.temperature == 0, top_k=sampling.top_k,
+                 use_top_p=sampling.top_p < 1.0, stop_ids=tuple(sorted(set(stop_ids))),
+                 pad_id=pad_id)
+    mesh = mesh if mesh is not None else _infer_mesh(params)
+    if mesh is not None and mesh.size > 1:
+        target = shd.param_shardings(cfg, mesh, "sample")
+        if any(getattr(x, "sharding", None) != t
+               for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))):
+            params = shd.reshard(params, target)
+    else:
+        mesh = None
+    sample_cfg = cfg.replace(dtype="float32" if precision == "float32" else "bfloat16")
+    if precision != "float32":
+        params = _prepare_fn(precision)(params)
+
+    _compiled_keys.add((sample_cfg, st, mesh))
+    prefill, decode = _compiled(sample_cfg, st, mesh)
+    temperature = jnp.float32(max(sampling.temperature, 1e-6))
+    top_p = jnp.float32(sampling.top_p)
+    state = prefill(params, _place(tokens_np, mesh), _place(mask_np, mesh), rng, temperature,
+                    top_p)
+    state = decode(params, state, temperature, top_p)
+
+    n = sampling.num_samples
+    prompts = jnp.repeat(_place(tokens_np[:, pb - p:], mesh), n, axis=0)
+    pmask = jnp.repeat(_place(mask_np[:, pb - p:], mesh), n, axis=0)
+    return SampleOutput(
+        tokens=state.tokens, response_mask=state.mask, behaviour_logp=state.behaviour_logp,
+        raw_logp=state.raw_logp, log_kept_mass=state.log_kept_mass,
+        lengths=state.mask.sum(-1).astype(jnp.int32), finished=state.done,
+        sequences=jnp.concatenate([prompts, state.tokens], axis=1),
+        sequence_mask=jnp.concatenate([pmask, state.mask], axis=1))
+
+
+def compile_cache_size() -> int:
+    """Compiled decode programs held (tests use it to check that bucketing avoids recompiles)."""
+    return sum(_compiled(*key)[1]._cache_size() for key in _compiled_keys)

@@ -1,0 +1,402 @@
+"""TrainState, sharded init, the jitted SFT and RL steps, and the RL loop.
+
+The RL step has no objective-specific branches: the objective comes from the registry and
+`objectives.step_loss_and_grad` handles micro-batching with the ESS scope of the config.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from tqdm import tqdm
+
+from ess_jax import evaluate as eval_lib
+from ess_jax import experiment
+from ess_jax import model as model_lib
+from ess_jax import objectives as obj_lib
+from ess_jax import rewards as rewards_lib
+from ess_jax import rollout as rollout_lib
+from ess_jax import sharding as sharding_lib
+from ess_jax.checkpoint import Checkpointer
+from ess_jax.data import PromptBatcher, sft_batches
+from ess_jax.metrics import MetricsWriter, plot_run, progress_postfix
+from ess_jax.optim import learning_rate_schedule, make_optimizer
+
+MAX_NONFINITE_IN_A_ROW = 3
+# Objectives whose loss needs the proximal snapshot (policy before the first update on a batch).
+NEEDS_PROX = ("p3o_dual", "decoupled_ppo")
+
+
+@struct.dataclass
+class TrainState:
+    params: dict
+    opt_state: optax.OptState
+    step: jax.Array  # optimizer updates applied
+    nonfinite: jax.Array  # consecutive skipped (non-finite) updates
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def init_state(params, tx, mesh) -> tuple[TrainState, TrainState]:
+    """The state and its shardings. Optimizer moments take their param's layout (a bare
+    `jit(tx.init)` would leave them, and optax's `count`, on one device); scalars replicate."""
+    rep = sharding_lib.replicated(mesh)
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda _, p: p.sharding,
+        jax.eval_shape(tx.init, params),
+        params,
+        transform_non_params=lambda _: rep,
+    )
+    opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+    state = TrainState(
+        params, opt_state, jax.device_put(jnp.int32(0), rep), jax.device_put(jnp.int32(0), rep)
+    )
+    return state, jax.tree.map(lambda x: x.sharding, state)
+
+
+def _apply_update(state: TrainState, tx, loss, grads):
+    """Optimizer update, skipped (state kept, counter bumped) if loss or grads are not finite."""
+    grad_norm = optax.global_norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    new = TrainState(
+        keep(params, state.params),
+        keep(opt_state, state.opt_state),
+        state.step + ok.astype(jnp.int32),
+        jnp.where(ok, 0, state.nonfinite + 1),
+    )
+    return new, grad_norm, ok
+
+
+def make_sft_step(cfg, tx, state_sh, batch_sh):
+    """Cross-entropy on demonstrations (completion tokens only)."""
+
+    def step(state, batch):
+        def loss_fn(params):
+            logp = model_lib.token_logprobs(cfg, params, batch["tokens"])
+            m = batch["loss_mask"].astype(jnp.float32)
+            return -jnp.sum(logp * m) / jnp.maximum(m.sum(), 1.0)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        state, grad_norm, _ = _apply_update(state, tx, loss, grads)
+        return state, {"loss": loss, "grad_norm": grad_norm}
+
+    return jax.jit(
+        step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0
+    )
+
+
+def _logp_fn(cfg, prompt_len: int):
+    def logp_fn(params, mb):
+        # teacher-forced log-probs of the response tokens (trainer: T=1, float32)
+        return model_lib.token_logprobs(cfg, params, mb["tokens"], mb["attn_mask"])[:, prompt_len:]
+
+    return logp_fn
+
+
+def make_rl_step(cfg, tx, obj_cfg, num_microbatches, prompt_len, state_sh, batch_sh):
+    """One optimizer update on a rollout (mini-)batch with the configured objective."""
+    logp_fn = _logp_fn(cfg, prompt_len)
+
+    def step(state, batch):
+        loss, grads, metrics = obj_lib.step_loss_and_grad(
+            logp_fn, state.params, batch, obj_cfg, num_microbatches
+        )
+        state, grad_norm, ok = _apply_update(state, tx, loss, grads)
+        return state, {**metrics, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
+
+    return jax.jit(
+        step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _score_fn(cfg, prompt_len):
+    """Teacher-forced response log-probs under some params (proximal / reference policy)."""
+    return jax.jit(_logp_fn(cfg, prompt_len))
+
+
+def rollout_to_batch(r: rollout_lib.Rollout) -> dict:
+    return {
+        "tokens": r.tokens,
+        "attn_mask": r.attn_mask,
+        "mask": r.loss_mask,
+        "behaviour_logp": r.behaviour_logp,
+        "advantages": r.advantages,
+    }
+
+
+class Run:
+    """Everything one RL run holds; `run(config, workdir)` drives it."""
+
+    def __init__(self, config, workdir: str):
+        experiment.validate(config)
+        self.config, self.workdir = config, workdir
+        sharding_lib.maybe_initialize_distributed()
+        self.mesh = sharding_lib.make_mesh(dict(config.mesh))
+        self.cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
+        self.stop_ids = experiment.stop_ids(config, self.tokenizer)
+        self.train_examples, self.test_examples = experiment.load_examples(config.task)
+        self.reward_fn = rewards_lib.get_reward(config.task.reward)
+        self.sample_sh = sharding_lib.param_shardings(self.cfg, self.mesh, "sample")
+        self.obj_cfg = obj_lib.ObjectiveConfig.from_dict(config.objective.to_dict())
+        ocfg = {
+            **config.optim.to_dict(),
+            "total_steps": config.train.steps * config.train.updates_per_batch,
+        }
+        self.tx = make_optimizer(ocfg)
+        self.lr_schedule = learning_rate_schedule(ocfg)
+        self.state, self.state_sh = init_state(params, self.tx, self.mesh)
+        self.batcher = PromptBatcher(
+            self.train_examples,
+            self.tokenizer,
+            config.data.prompts_per_step,
+            buckets=tuple(config.data.buckets),
+            seed=config.seed,
+        )
+        self.history = rollout_lib.ParamHistory(config.rollout.lag)
+        self.external = None
+        if config.rollout.external_fraction > 0:
+            ecfg, eparams, _ = experiment.load_policy(
+                _with_source(config.model, config.rollout.external_checkpoint), self.mesh
+            )
+            if ecfg.vocab_size != self.cfg.vocab_size:
+                raise ValueError(
+                    "config.rollout.external_checkpoint: vocab size "
+                    f"{ecfg.vocab_size} != policy's {self.cfg.vocab_size}"
+                )
+            self.external = rollout_lib.PolicySource(
+                ecfg,
+                sharding_lib.reshard(
+                    eparams, sharding_lib.param_shardings(ecfg, self.mesh, "sample")
+                ),
+                -1,
+            )
+        self.ref_params = None
+        self.ckpt = Checkpointer(
+            os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints
+        )
+        self.rng = jax.random.key(config.seed)
+        self._rl_steps: dict = {}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_tree(self):
+        return {
+            "state": self.state,
+            "history": [p for _, p in self.history.state()],
+            **({"ref": self.ref_params} if self.ref_params is not None else {}),
+        }
+
+    def save(self, step: int, force: bool = False) -> None:
+        meta = {
+            "step": step,
+            "data": self.batcher.state(),
+            "history_versions": [v for v, _ in self.history.state()],
+            "config": self.config.to_dict(),
+        }
+        self.ckpt.save(step, self._ckpt_tree(), meta, force=force)
+
+    def try_restore(self) -> int | None:
+        step = self.ckpt.latest_step()
+        if step is None:
+            return None
+        meta = self.ckpt.read_metadata(step) if hasattr(self.ckpt, "read_metadata") else None
+        versions = (meta or {}).get("history_versions")
+        abstract = self._abstract_tree(len(versions) if versions is not None else None)
+        step, tree, meta = self.ckpt.restore(abstract, step)
+        self.state = tree["state"]
+        self.ref_params = tree.get("ref")
+        self.history.restore(list(zip(meta["history_versions"], tree["history"])))
+        self.batcher.restore(meta["data"])
+        return step
+
+    def _abstract_tree(self, n_history):
+        as_abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        state = jax.tree.map(as_abstract, self.state, self.state_sh)
+        hist_one = jax.tree.map(as_abstract, self.state.params, self.sample_sh)
+        n = self.config.rollout.lag + 1 if n_history is None else n_history
+        tree = {"state": state, "history": [hist_one] * n}
+        if self.obj_cfg.beta_kl > 0:
+            tree["ref"] = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
+        return tree
+
+    # ------------------------------------------------------------------ phases
+    def sft(self) -> None:
+        c = self.config.sft
+        if not c.steps:
+            return
+        tx = make_optimizer(
+            {
+                "lr": c.lr,
+                "warmup_steps": c.warmup_steps,
+                "total_steps": c.steps,
+                "max_grad_norm": 1.0,
+                "final_lr_fraction": 0.1,
+            }
+        )
+        state, state_sh = init_state(self.state.params, tx, self.mesh)
+        batch_sh = sharding_lib.batch_sharding(self.mesh)
+        step_fn = make_sft_step(self.cfg, tx, state_sh, batch_sh)
+        it = sft_batches(
+            self.train_examples, self.tokenizer, c.batch_size, c.seq_len, seed=self.config.seed
+        )
+        bar = tqdm(range(c.steps), desc="sft", dynamic_ncols=True, mininterval=2.0)
+        for i in bar:
+            b = next(it)
+            batch = sharding_lib.shard_batch(
+                {
+                    "tokens": np.asarray(b["tokens"], np.int32),
+                    "loss_mask": np.asarray(b["loss_mask"]),
+                },
+                self.mesh,
+            )
+            state, m = step_fn(state, batch)
+            if i % 20 == 0 or i == c.steps - 1:
+                bar.set_postfix_str(f"loss={float(m['loss']):.3f}")
+        self.state = self.state.replace(params=state.params)
+
+    def evaluate(self, step: int) -> dict:
+        e = self.config.eval
+        src = rollout_lib.PolicySource(
+            self.cfg, sharding_lib.reshard(self.state.params, self.sample_sh), step
+        )
+        rng = jax.random.fold_in(jax.random.fold_in(self.rng, 2), step)
+        return eval_lib.evaluate(
+            src,
+            self.test_examples,
+            self.tokenizer,
+            self.reward_fn,
+            e,
+            self.stop_ids,
+            rng,
+            buckets=tuple(self.config.data.buckets),
+        )
+
+    def rl_step(self, step: int) -> dict:
+        cfg_r, t = self.config.rollout, self.config.train
+        t0 = time.perf_counter()
+        version, params_b = self.history.behaviour()
+        rcfg = _with_stop_ids(cfg_r, self.stop_ids)
+        rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
+        rollout, metrics = rollout_lib.collect(
+            rollout_lib.PolicySource(self.cfg, params_b, version),
+            next(self.batcher),
+            self.tokenizer,
+            self.reward_fn,
+            rcfg,
+            rng,
+            external=self.external,
+        )
+        t_sample = time.perf_counter() - t0
+        n_upd = t.updates_per_batch
+        per = rollout.num_sequences // n_upd
+        batch = sharding_lib.shard_batch(rollout_to_batch(rollout), self.mesh)
+        score = _score_fn(self.cfg, rollout.prompt_len)
+        if self.obj_cfg.name in NEEDS_PROX:  # snapshot before the first update on this batch
+            batch["prox_logp"] = score(self.state.params, batch)
+        if self.ref_params is not None:
+            batch["ref_logp"] = score(self.ref_params, batch)
+        if rollout.prompt_len not in self._rl_steps:  # one compile per prompt bucket
+            self._rl_steps[rollout.prompt_len] = make_rl_step(
+                self.cfg,
+                self.tx,
+                self.obj_cfg,
+                t.num_microbatches,
+                rollout.prompt_len,
+                self.state_sh,
+                sharding_lib.batch_sharding(self.mesh),
+            )
+        step_fn = self._rl_steps[rollout.prompt_len]
+        upd_metrics = []
+        for u in range(n_upd):
+            mb = jax.tree.map(lambda x, u=u: x[u * per : (u + 1) * per], batch)
+            mb = sharding_lib.shard_batch(mb, self.mesh)
+            self.state, m = step_fn(self.state, mb)
+            upd_metrics.append(jax.device_get(m))
+        if int(self.state.nonfinite) >= MAX_NONFINITE_IN_A_ROW:
+            raise NonFiniteError(
+                f"{int(self.state.nonfinite)} updates in a row had a non-finite loss or gradient "
+                f"(step {step}); the last good state is kept. Lower optim.lr or check the data."
+            )
+        self.history.push(step + 1, sharding_lib.reshard(self.state.params, self.sample_sh))
+        elapsed = time.perf_counter() - t0
+        row = {k: float(np.mean([m[k] for m in upd_metrics])) for k in upd_metrics[0]}
+        row["ess_min"] = float(np.min([m["ess"] for m in upd_metrics]))
+        row.update(metrics)
+        row.update(
+            step=step,
+            policy_lag=step - version,
+            lr=float(self.lr_schedule(int(self.state.step))),
+            tokens_per_s=float(rollout.loss_mask.sum()) / elapsed,
+            sample_s=t_sample,
+            step_s=elapsed,
+        )
+        return row
+
+    def run(self) -> str:
+        t = self.config.train
+        start = self.try_restore()
+        writer = MetricsWriter(self.workdir, resume_step=start if start is not None else 0)
+        if start is None:
+            self.sft()
+            if self.obj_cfg.beta_kl > 0:
+                self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+            start = 0
+        if not self.history.state():
+            self.history.push(0, sharding_lib.reshard(self.state.params, self.sample_sh))
+        step = start
+        bar = tqdm(
+            range(start, t.steps), desc="rl", initial=start, total=t.steps, dynamic_ncols=True
+        )
+        try:
+            for step in bar:
+                if self.config.eval.every and step % self.config.eval.every == 0:
+                    writer.write({"step": step, **self.evaluate(step)})
+                row = self.rl_step(step)
+                writer.write(row)
+                bar.set_postfix_str(progress_postfix(row))
+                if (step + 1) % t.checkpoint_every == 0:
+                    self.save(step + 1)
+            step = t.steps
+            if self.config.eval.every:
+                writer.write({"step": step, **self.evaluate(step)})
+            self.save(step, force=True)
+        except KeyboardInterrupt:
+            logging.warning("interrupted: saving a checkpoint at step %d", step)
+            self.save(step, force=True)
+            raise
+        finally:
+            self.ckpt.wait()
+            writer.close()
+        return plot_run(self.workdir)
+
+
+def _with_source(mcfg, source):
+    m = mcfg.copy_and_resolve_references()
+    m.source = source
+    return m
+
+
+def _with_stop_ids(rcfg, ids):
+    r = rcfg.copy_and_resolve_references()
+    r.stop_ids = tuple(int(i) for i in ids)
+    return r
+
+
+def run(config, workdir: str) -> str:
+    """Runs SFT warm start (if configured) then RL; returns the path of the curves PNG."""
+    return Run(config, workdir).run()

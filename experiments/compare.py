@@ -1,0 +1,87 @@
+"""Turn finished runs into a table (markdown) and an overlay plot of reward and ESS.
+
+    python experiments/compare.py runs/p3o runs/grpo_eps0.2 --out runs/compare
+
+Per run: final train reward (mean of the last 5 steps), first and last held-out pass@1,
+mean and minimum ESS, mean clip fraction, skipped (non-finite) updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from ess_jax.metrics import read_metrics  # noqa: E402
+
+
+def summarize(workdir: str) -> dict:
+    rows = read_metrics(workdir)
+    train = [r for r in rows if r.get("reward_mean") is not None]
+    evals = [r for r in rows if r.get("eval/pass@1") is not None]
+    if not train:
+        raise ValueError(f"{workdir}: no training rows in metrics.jsonl")
+    col = lambda k: np.array([r[k] for r in train if r.get(k) is not None], float)
+    return {
+        "run": os.path.basename(os.path.normpath(workdir)),
+        "steps": len(train),
+        "reward_last5": float(col("reward_mean")[-5:].mean()),
+        "pass@1_first": evals[0]["eval/pass@1"] if evals else float("nan"),
+        "pass@1_last": evals[-1]["eval/pass@1"] if evals else float("nan"),
+        "ess_mean": float(col("ess").mean()),
+        "ess_min": float(col("ess").min()),
+        "clip_frac": float(col("clip_frac").mean()),
+        "skipped": int(col("skipped").sum()) if len(col("skipped")) else 0,
+    }
+
+
+def markdown_table(summaries: list[dict]) -> str:
+    keys = list(summaries[0])
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(s[k]) for k in keys) + " |" for s in summaries]
+    return "\n".join(lines)
+
+
+def overlay_plot(workdirs: list[str], out_png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for wd in workdirs:
+        rows = [r for r in read_metrics(wd) if r.get("reward_mean") is not None]
+        steps = [r["step"] for r in rows]
+        name = os.path.basename(os.path.normpath(wd))
+        axes[0].plot(steps, [r["reward_mean"] for r in rows], label=name)
+        axes[1].plot(steps, [r["ess"] for r in rows], label=name)
+    for ax, title in zip(axes, ("train reward", "ESS")):
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("workdirs", nargs="+")
+    ap.add_argument("--out", default="compare", help="output prefix (.md and .png)")
+    args = ap.parse_args()
+    table = markdown_table([summarize(w) for w in args.workdirs])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".md", "w") as f:
+        f.write(table + "\n")
+    overlay_plot(args.workdirs, args.out + ".png")
+    print(table)
+    print(f"wrote {args.out}.md and {args.out}.png")
+
+
+if __name__ == "__main__":
+    main()

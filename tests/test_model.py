@@ -1,0 +1,233 @@
+"""The NNX decoder against Hugging Face PyTorch, and its own invariants (causality, jit,
+sharding, KV cache, bfloat16)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ess_jax import model, sharding, weights
+
+TOL = 1e-4  # float32 max abs logit difference allowed against PyTorch
+
+# family, tied embeddings, extra HF config
+CASES = {
+    "llama": (
+        "llama",
+        False,
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
+    "llama_tied": ("llama", True, {}),
+    "qwen2": ("qwen2", False, {}),
+    "qwen2_tied": ("qwen2", True, {}),
+    "qwen3": ("qwen3", True, {}),
+}
+
+
+def _hf_model(family, tied, extra, seed=0):
+    """A tiny random HF PyTorch model with weights large enough to make logits non-trivial."""
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+    hf_cfg = cls(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
+        **extra,
+    )
+    torch.manual_seed(seed)
+    m = getattr(transformers, cls.__name__.replace("Config", "ForCausalLM"))(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / np.sqrt(p.shape[-1]))
+    return m
+
+
+def _torch_logits(m, tokens, mask=None):
+    import torch
+
+    kw = {}
+    if mask is not None:
+        kw["attention_mask"] = torch.tensor(np.asarray(mask), dtype=torch.long)
+        kw["position_ids"] = torch.tensor(np.asarray(model.positions_from_mask(mask)))
+    with torch.no_grad():
+        return m(torch.tensor(np.asarray(tokens)), **kw).logits.numpy()
+
+
+_apply = jax.jit(model.apply, static_argnums=0)
+
+
+def _tokens(vocab, b=2, t=12, seed=0):
+    return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
+
+
+def _max_diff(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parity_with_hf_torch(case, tmp_path):
+    import torch
+    import transformers
+
+    family, tied, extra = CASES[case]
+    m = _hf_model(family, tied, extra)
+    m.save_pretrained(tmp_path / "hf")
+    cfg, params = weights.load_hf(tmp_path / "hf")
+    assert (cfg.family, cfg.tie_embeddings) == (family, tied)
+    assert ("lm_head" in params) != tied
+
+    tokens = _tokens(cfg.vocab_size)
+    ref = _torch_logits(m, tokens)
+    apply = _apply
+    logits = apply(cfg, params, tokens)
+    assert logits.dtype == jnp.float32
+    diff = _max_diff(logits, ref)
+    print(f"{case}: max |logits - torch| = {diff:.2e}")
+    assert diff <= TOL
+
+    # left padding: our positions_from_mask == HF position_ids; only real tokens compared
+    mask = jnp.ones(tokens.shape, bool).at[1, :3].set(False)
+    ref_pad = _torch_logits(m, tokens, mask)
+    got_pad = apply(cfg, params, tokens, mask)
+    assert _max_diff(got_pad[1, 3:], ref_pad[1, 3:]) <= TOL
+
+    # per-token log-probs agree with torch's log_softmax
+    lp = model.token_logprobs(cfg, params, tokens)
+    ref_lp = torch.log_softmax(torch.tensor(ref[:, :-1]), -1).numpy()
+    ref_lp = np.take_along_axis(ref_lp, np.asarray(tokens)[:, 1:, None], -1)[..., 0]
+    assert _max_diff(lp[:, 1:], ref_lp) <= TOL and np.all(np.asarray(lp[:, 0]) == 0)
+
+    # save_hf -> load_hf round trip is exact; torch loads our files and agrees
+    weights.save_hf(cfg, params, tmp_path / "ours")
+    cfg2, params2 = weights.load_hf(tmp_path / "ours")
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params2, params)
+    assert _max_diff(apply(cfg2, params2, tokens), ref) <= TOL
+    m2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert type(m2) is type(m)
+    assert _max_diff(_torch_logits(m2, tokens), ref) <= TOL
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = model.ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        qkv_bias=True,
+        qk_norm=True,
+        family="custom",
+    )
+    # numpy init (no per-op dispatch); norms and biases non-trivial so every path matters
+    rng = np.random.default_rng(0)
+
+    def init(path, x):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            return jnp.asarray(1 + 0.1 * rng.standard_normal(x.shape), jnp.float32)
+        scale = 1.0 if "embed" in name else 0.1 if "bias" in name else x.shape[0] ** -0.5
+        return jnp.asarray(scale * rng.standard_normal(x.shape), jnp.float32)
+
+    return cfg, jax.tree_util.tree_map_with_path(init, model.abstract_params(cfg))
+
+
+def test_causality(tiny):
+    cfg, params = tiny
+    tokens = _tokens(cfg.vocab_size, t=10)
+    changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % cfg.vocab_size)
+    a, b = _apply(cfg, params, tokens), _apply(cfg, params, changed)
+    np.testing.assert_allclose(a[:, :6], b[:, :6], atol=1e-6, rtol=0)
+    assert _max_diff(a[:, 6:], b[:, 6:]) > 1e-3
+
+
+def test_jit_equals_no_jit(tiny):
+    cfg, params = tiny
+    tokens = _tokens(cfg.vocab_size)
+    eager = model.apply(cfg, params, tokens)
+    jitted = _apply(cfg, params, tokens)
+    np.testing.assert_allclose(jitted, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_sharded_forward_equals_single_device(tiny):
+    cfg, params = tiny
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    shardings = sharding.param_shardings(cfg, mesh, "train")
+    sharded_params = jax.device_put(params, shardings)
+    assert sharded_params["layers"][0]["mlp"]["gate"].sharding.spec == jax.P("fsdp", "tensor")
+    tokens = _tokens(cfg.vocab_size, b=4)
+    mask = jnp.ones(tokens.shape, bool).at[1, :2].set(False)
+    batch = sharding.shard_batch({"tokens": tokens, "mask": mask}, mesh)
+    assert len(batch["tokens"].sharding.device_set) == 8
+    with jax.set_mesh(mesh):
+        got = _apply(cfg, sharded_params, batch["tokens"], batch["mask"])
+    want = _apply(cfg, params, tokens, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_decode_matches_full_forward(tiny):
+    cfg, params = tiny
+    b, t, prompt = 3, 12, 5
+    tokens = _tokens(cfg.vocab_size, b=b, t=t)
+    # row 1 and 2 are left-padded (2 and 4 pads), as a batch of prompts would be
+    mask = jnp.ones((b, t), bool).at[1, :2].set(False).at[2, :4].set(False)
+    positions = model.positions_from_mask(mask)
+    full = _apply(cfg, params, tokens, mask)
+
+    step = jax.jit(model.forward, static_argnums=0)
+    cache = model.init_cache(cfg, b, t)
+    logits, cache = step(cfg, params, tokens[:, :prompt], positions[:, :prompt], mask, cache, 0)
+    outs = [logits]
+    for i in range(prompt, t):  # one token at a time, teacher forced
+        logits, cache = step(
+            cfg, params, tokens[:, i : i + 1], positions[:, i : i + 1], mask, cache, i
+        )
+        outs.append(logits)
+    decoded = jnp.concatenate(outs, axis=1)
+    real = np.asarray(mask)
+    assert np.isfinite(np.asarray(decoded)).all()
+    np.testing.assert_allclose(
+        np.asarray(decoded)[real], np.asarray(full)[real], atol=1e-5, rtol=1e-5
+    )
+
+
+def test_bfloat16_compute_is_close_not_identical(tiny):
+    cfg, params = tiny
+    tokens = _tokens(cfg.vocab_size)
+    f32 = _apply(cfg, params, tokens)
+    bf16 = _apply(cfg.replace(dtype="bfloat16"), params, tokens)
+    assert bf16.dtype == jnp.float32  # logits always float32
+    diff, scale = _max_diff(bf16, f32), float(jnp.max(jnp.abs(f32)))
+    print(f"bf16 vs f32: max diff {diff:.3e}, logit scale {scale:.2f}")
+    assert 0 < diff < 0.05 * scale
+    # same greedy choice almost everywhere
+    assert float(jnp.mean(jnp.argmax(bf16, -1) == jnp.argmax(f32, -1))) > 0.9

@@ -1,0 +1,139 @@
+"""The RL loop end to end on the tiny quickstart config (8 fake CPU devices)."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from configs import quickstart
+from ess_jax import model as model_lib
+from ess_jax import train, weights
+from ess_jax.metrics import read_metrics
+
+
+def tiny_config(**overrides):
+    c = quickstart.get_config("tiny")
+    c.sft.steps = 0
+    c.eval.every = 0
+    c.data.prompts_per_step = 2
+    c.rollout.group_size = 4  # 8 sequences: one per fake device
+    c.rollout.max_new_tokens = 4
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def first_rows(config, workdir, steps=1):
+    run = train.Run(config, str(workdir))
+    run.history.push(0, train.sharding_lib.reshard(run.state.params, run.sample_sh))
+    return [run.rl_step(s) for s in range(steps)]
+
+
+def test_full_loop_writes_metrics_checkpoint_png_and_resumes_exactly(tmp_path):
+    c = quickstart.get_config("tiny")
+    full = tmp_path / "full"
+    png = train.run(c, str(full))
+    assert os.path.exists(png) and os.path.getsize(png) > 1000
+    rows = read_metrics(full)
+    steps = [r for r in rows if "reward_mean" in r]
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert [r["step"] for r in steps] == list(range(c.train.steps))
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == c.train.steps
+    for key in (
+        "reward_mean",
+        "ess",
+        "kl_behaviour",
+        "capped_frac",
+        "clip_frac",
+        "loss",
+        "grad_norm",
+        "tokens_per_s",
+    ):
+        assert all(np.isfinite(r[key]) for r in steps), key
+    assert os.listdir(full / "checkpoints")
+    assert any(f.startswith("events") for f in os.listdir(full / "tb"))
+
+    # Interrupt after 2 steps (a checkpoint is written at step 2), then resume to the end.
+    part = tmp_path / "part"
+    c_short = quickstart.get_config("tiny")
+    c_short.train.steps = 2
+    train.run(c_short, str(part))
+    train.run(c, str(part))
+    resumed = read_metrics(part)
+    volatile = ("tokens_per_s", "sample_s", "step_s")
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in volatile} for r in rs]
+    assert strip(resumed) == strip(rows)
+
+
+def test_on_policy_ess_is_one(tmp_path):
+    (row,) = first_rows(tiny_config(), tmp_path)
+    assert abs(row["ess"] - 1.0) < 1e-5
+    assert abs(row["ratio_mean"] - 1.0) < 1e-5 and abs(row["ratio_max"] - 1.0) < 1e-5
+    assert row["kl_behaviour"] < 1e-5
+
+
+@pytest.mark.parametrize(
+    "knob,value,step",
+    [
+        ("rollout.temperature", 1.5, 0),
+        ("rollout.top_p", 0.7, 0),
+        ("rollout.precision", "bfloat16", 0),
+        ("rollout.precision", "fp8", 0),
+        ("train.updates_per_batch", 2, 0),
+        ("rollout.lag", 1, 1),
+    ],
+)
+def test_each_off_policy_knob_lowers_ess(tmp_path, knob, value, step):
+    overrides = {knob: value, "optim.lr": 1e-2}
+    if knob == "train.updates_per_batch":
+        overrides["data.prompts_per_step"] = 4  # two updates of 8 sequences
+    rows = first_rows(tiny_config(**overrides), tmp_path, steps=step + 1)
+    assert rows[step]["ess"] < 1.0 - 1e-4, rows[step]
+    if knob == "rollout.lag":
+        assert rows[0]["ess"] > 1.0 - 1e-5  # nothing to lag behind yet at step 0
+        assert rows[1]["policy_lag"] == 1
+
+
+def test_external_behaviour_model_lowers_ess(tmp_path):
+    base = tiny_config()
+    run = train.Run(base, str(tmp_path / "probe"))
+    other = model_lib.init_params(run.cfg, 123)
+    ext_dir = tmp_path / "external"
+    weights.save_hf(run.cfg, jax.device_get(other), str(ext_dir))
+    c = tiny_config(
+        **{"rollout.external_fraction": 0.5, "rollout.external_checkpoint": str(ext_dir)}
+    )
+    (row,) = first_rows(c, tmp_path / "ext")
+    assert row["ess"] < 0.99
+
+
+@pytest.mark.parametrize(
+    "key,value,field",
+    [
+        ("objective.name", "ppo_typo", "objective.name"),
+        ("task.name", "nosuchtask", "task.name"),
+        ("task.reward", "nosuchreward", "task.reward"),
+        ("data.prompts_per_step", 3, "data.prompts_per_step"),
+        ("model.source", "/no/such/checkpoint", "model.source"),
+        ("rollout.precision", "fp4", "rollout.precision"),
+    ],
+)
+def test_bad_config_fails_before_compiling(tmp_path, key, value, field):
+    c = tiny_config(**{key: value})
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        train.Run(c, str(tmp_path))
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_metrics_rows_are_json(tmp_path):
+    c = tiny_config(**{"train.steps": 1})
+    train.run(c, str(tmp_path))
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert rows and all("step" in r for r in rows)
