@@ -84,6 +84,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.sft.lr = 3e-3
     c.sft.warmup_steps = 20
     c.sft.seq_len = 32
+    c.sft.demo_noise = 0.0  # share of demonstrations with one wrong digit (a noisy teacher)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 25  # 0: no eval

@@ -103,6 +103,8 @@ def combine_ess_sums(a: EssSums, b: EssSums) -> EssSums:
 
 def ess_from_sums(s: EssSums) -> jax.Array:
     """(sum rho)^2 / (N sum rho^2); 1.0 for an empty batch or non-finite sums."""
+    # The reference adds 1e-8 to sum rho^2, which makes its ESS scale-dependent (it falls to 0
+    # when every ratio is tiny). After the max-shift sumsq >= 1, so no epsilon is needed.
     ess = jnp.square(s.sum) / (s.count * s.sumsq)
     ok = (s.count > 0) & jnp.isfinite(ess)
     # Cauchy-Schwarz gives ess <= 1; the min only removes float rounding above 1.

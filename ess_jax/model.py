@@ -148,31 +148,34 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
 
         t = x_BxTxD.shape[1]
+        # Keys/values as [B, N, S, K]: the layout the score einsum reads without a transpose
+        # (with [B, S, N, K] XLA:CPU copies the whole cache at every decode step).
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         if cache is None:  # full-sequence forward: keys are this call's tokens
             k_all, v_all, new_cache = k, v, None
             key_idx = jnp.arange(t)
             query_idx = jnp.arange(t)
         else:  # write this call's keys into the fixed-length cache, attend over all of it
             k_all = jax.lax.dynamic_update_slice_in_dim(
-                cache["k"], k.astype(cache["k"].dtype), cache_index, axis=1
+                cache["k"], k.astype(cache["k"].dtype), cache_index, axis=2
             )
             v_all = jax.lax.dynamic_update_slice_in_dim(
-                cache["v"], v.astype(cache["v"].dtype), cache_index, axis=1
+                cache["v"], v.astype(cache["v"].dtype), cache_index, axis=2
             )
             new_cache = {"k": k_all, "v": v_all}
-            key_idx = jnp.arange(k_all.shape[1])
+            key_idx = jnp.arange(k_all.shape[2])
             query_idx = cache_index + jnp.arange(t)
         mask_BxTxS = (key_idx[None, :] <= query_idx[:, None])[None] & kv_mask_BxS[:, None, :]
 
         b, _, h, kd = q.shape
-        n = k_all.shape[2]
+        n = k_all.shape[1]
         q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
         scores = jnp.einsum(
-            "btngk,bsnk->bngts", q, k_all.astype(dt), preferred_element_type=jnp.float32
+            "btngk,bnsk->bngts", q, k_all.astype(dt), preferred_element_type=jnp.float32
         ) / math.sqrt(kd)
         scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bngts,bsnk->btngk", probs, v_all.astype(dt)).reshape(b, t, h, kd)
+        out = jnp.einsum("bngts,bnsk->btngk", probs, v_all.astype(dt)).reshape(b, t, h, kd)
         return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(dt)), new_cache
 
 
@@ -214,7 +217,14 @@ class Decoder(nnx.Module):
     """Token embedding, L pre-norm blocks, final norm, (tied or untied) LM head."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), 1.0)
+        # 1/sqrt(D): with tied embeddings the initial logits are O(1), not O(sqrt(D)) (a
+        # near-deterministic random policy would give RL no exploration and ratios of 1)
+        self.embed = _param(
+            rngs,
+            (cfg.vocab_size, cfg.hidden_size),
+            ("vocab", "embed"),
+            1.0 / math.sqrt(cfg.hidden_size),
+        )
         self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = _ones((cfg.hidden_size,), ("norm",))
         if not cfg.tie_embeddings:
@@ -286,8 +296,8 @@ def bind(cfg: ModelConfig, params: Params) -> Decoder:
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[dict]:
-    """Zeroed KV cache: per layer {'k','v'} of shape [B, S, N, K]."""
-    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    """Zeroed KV cache: per layer {'k','v'} of shape [B, N, S, K]."""
+    shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
     dt = dtype or cfg.compute_dtype
     return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.num_layers)]
 

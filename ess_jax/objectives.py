@@ -102,12 +102,13 @@ class ObjectiveConfig:
 
     @classmethod
     def from_dict(cls, d: Any) -> ObjectiveConfig:
-        """From a dict or ml_collections ConfigDict; unknown keys raise ValueError."""
+        """From a dict or ml_collections ConfigDict; unknown keys raise ValueError. Clip
+        ranges not given take the objective's paper values (`paper_defaults`)."""
         d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown ObjectiveConfig keys: {unknown}")
-        return cls(**d)
+        return cls.paper_defaults(d.pop("name", "p3o"), **d)
 
     @classmethod
     def paper_defaults(cls, name: str, **overrides: Any) -> ObjectiveConfig:

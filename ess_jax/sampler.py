@@ -51,8 +51,15 @@ _MIN_BUCKET = 16
 _FP8 = jnp.float8_e4m3fn
 _FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
 # weight matrix name -> its contraction (input) axes; the rest are output channels
-_FP8_INPUT_AXES = {"q": (0,), "k": (0,), "v": (0,), "o": (0, 1), "gate": (0,), "up": (0,),
-                   "down": (0,)}
+_FP8_INPUT_AXES = {
+    "q": (0,),
+    "k": (0,),
+    "v": (0,),
+    "o": (0, 1),
+    "gate": (0,),
+    "up": (0,),
+    "down": (0,),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +140,7 @@ def _prepare_params(params, precision: str):
     """Sampler-side copy of the params. Norm vectors stay float32 (the model does its
     statistics in float32 either way); casting matrices here rather than inside every
     decode step is numerically identical to the model's own `.astype(compute_dtype)`."""
+
     def leaf(path, x):
         name = getattr(path[-1], "key", None)
         if x.ndim < 2:
@@ -149,12 +157,15 @@ def _prepare_params(params, precision: str):
 
 def _dequantize(params):
     """fp8 {'w8', 'scale'} leaves -> bfloat16 matrices, inside the forward that uses them."""
+
     def is_q(x):
         return isinstance(x, dict) and set(x) == {"w8", "scale"}
 
     return jax.tree.map(
-        lambda x: (x["w8"].astype(jnp.float32) * x["scale"]).astype(jnp.bfloat16)
-        if is_q(x) else x, params, is_leaf=is_q)
+        lambda x: (x["w8"].astype(jnp.float32) * x["scale"]).astype(jnp.bfloat16) if is_q(x) else x,
+        params,
+        is_leaf=is_q,
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -232,25 +243,33 @@ def _constrain(tree, mesh: Mesh | None, logical):
 def _constrain_state(s: _DecodeState, mesh) -> _DecodeState:
     rows = ("batch", None)
     return s.replace(
-        tokens=_constrain(s.tokens, mesh, rows), mask=_constrain(s.mask, mesh, rows),
+        tokens=_constrain(s.tokens, mesh, rows),
+        mask=_constrain(s.mask, mesh, rows),
         behaviour_logp=_constrain(s.behaviour_logp, mesh, rows),
         raw_logp=_constrain(s.raw_logp, mesh, rows),
         log_kept_mass=_constrain(s.log_kept_mass, mesh, rows),
-        done=_constrain(s.done, mesh, rows), positions=_constrain(s.positions, mesh, rows),
+        done=_constrain(s.done, mesh, rows),
+        positions=_constrain(s.positions, mesh, rows),
         kv_mask=_constrain(s.kv_mask, mesh, rows),
-        cache=_constrain(s.cache, mesh, ("batch", None, "kv_heads", "head_dim")))
+        cache=_constrain(s.cache, mesh, ("batch", "kv_heads", None, "head_dim")),
+    )
 
 
 def _write(s: _DecodeState, col, tok, blp, rlp, lkm, active, st: _Static) -> _DecodeState:
     def put(buf, val, fill):
         return jax.lax.dynamic_update_slice_in_dim(
-            buf, jnp.where(active, val, fill).astype(buf.dtype)[:, None], col, axis=1)
+            buf, jnp.where(active, val, fill).astype(buf.dtype)[:, None], col, axis=1
+        )
 
     stop = jnp.isin(tok, jnp.asarray(st.stop_ids, jnp.int32)) if st.stop_ids else False
     return s.replace(
-        tokens=put(s.tokens, tok, st.pad_id), mask=put(s.mask, active, False),
-        behaviour_logp=put(s.behaviour_logp, blp, 0.0), raw_logp=put(s.raw_logp, rlp, 0.0),
-        log_kept_mass=put(s.log_kept_mass, lkm, 0.0), done=s.done | (active & stop))
+        tokens=put(s.tokens, tok, st.pad_id),
+        mask=put(s.mask, active, False),
+        behaviour_logp=put(s.behaviour_logp, blp, 0.0),
+        raw_logp=put(s.raw_logp, rlp, 0.0),
+        log_kept_mass=put(s.log_kept_mass, lkm, 0.0),
+        done=s.done | (active & stop),
+    )
 
 
 def _prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, mesh):
@@ -260,17 +279,28 @@ def _prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st,
     t, n = st.max_new_tokens, st.num_samples
     kv_mask = jnp.concatenate([mask_BxP, jnp.ones((b, t), bool)], axis=1)
     positions = model.positions_from_mask(mask_BxP)
-    logits, cache = model.forward(cfg, params, prompts_BxP, positions, kv_mask,
-                                  model.init_cache(cfg, b, p + t), 0)
+    logits, cache = model.forward(
+        cfg, params, prompts_BxP, positions, kv_mask, model.init_cache(cfg, b, p + t), 0
+    )
     rep = functools.partial(jnp.repeat, repeats=n, axis=0)  # sample j of prompt i: row i*n+j
     zeros = jnp.zeros((b * n, t), jnp.float32)
     s = _DecodeState(
-        step=jnp.ones((), jnp.int32), tokens=jnp.full((b * n, t), st.pad_id, jnp.int32),
-        mask=jnp.zeros((b * n, t), bool), behaviour_logp=zeros, raw_logp=zeros,
-        log_kept_mass=zeros, done=jnp.zeros((b * n,), bool), positions=rep(positions[:, -1]) + 1,
-        cache=jax.tree.map(rep, cache), kv_mask=rep(kv_mask), rng=rng)
+        step=jnp.ones((), jnp.int32),
+        tokens=jnp.full((b * n, t), st.pad_id, jnp.int32),
+        mask=jnp.zeros((b * n, t), bool),
+        behaviour_logp=zeros,
+        raw_logp=zeros,
+        log_kept_mass=zeros,
+        done=jnp.zeros((b * n,), bool),
+        positions=rep(positions[:, -1]) + 1,
+        cache=jax.tree.map(rep, cache),
+        kv_mask=rep(kv_mask),
+        rng=rng,
+    )
     s = _constrain_state(s, mesh)
-    last = _constrain(rep(logits[:, -1]), mesh, ("batch", None))
+    # gather the vocab before repeating: vocab-sharded -> row-sharded has no cheap path
+    last = _constrain(logits[:, -1], mesh, ("batch", None))
+    last = _constrain(rep(last), mesh, ("batch", None))
     tok, blp, rlp, lkm = _draw(last, jax.random.fold_in(rng, 0), temperature, top_p, st)
     return _write(s, 0, tok, blp, rlp, lkm, jnp.ones((b * n,), bool), st)
 
@@ -284,8 +314,15 @@ def _decode(params, s: _DecodeState, temperature, top_p, *, cfg, st, mesh):
 
     def body(s):
         prev = jax.lax.dynamic_index_in_dim(s.tokens, s.step - 1, axis=1, keepdims=True)
-        logits, cache = model.forward(cfg, _dequantize(params), prev, s.positions[:, None],
-                                      s.kv_mask, s.cache, prompt_width + s.step - 1)
+        logits, cache = model.forward(
+            cfg,
+            _dequantize(params),
+            prev,
+            s.positions[:, None],
+            s.kv_mask,
+            s.cache,
+            prompt_width + s.step - 1,
+        )
         logits = _constrain(logits[:, 0], mesh, ("batch", None))  # whole vocab rows per device
         key = jax.random.fold_in(s.rng, s.step)
         tok, blp, rlp, lkm = _draw(logits, key, temperature, top_p, st)
@@ -319,14 +356,23 @@ def _infer_mesh(params) -> Mesh | None:
 def _place(x, mesh: Mesh | None):
     if mesh is None or mesh.size == 1:
         return jnp.asarray(x)
-    spec = shd.logical_to_spec(("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh,
-                               shd.SAMPLE_RULES)
+    spec = shd.logical_to_spec(
+        ("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh, shd.SAMPLE_RULES
+    )
     return jax.device_put(x, NamedSharding(mesh, spec))
 
 
-def sample(cfg: model.ModelConfig, params, prompt_tokens_BxP, prompt_mask_BxP,
-           sampling: SamplingConfig, rng: jax.Array, *, precision: str = "float32",
-           mesh: Mesh | None = None) -> SampleOutput:
+def sample(
+    cfg: model.ModelConfig,
+    params,
+    prompt_tokens_BxP,
+    prompt_mask_BxP,
+    sampling: SamplingConfig,
+    rng: jax.Array,
+    *,
+    precision: str = "float32",
+    mesh: Mesh | None = None,
+) -> SampleOutput:
     """Draw `sampling.num_samples` completions of each left-padded prompt.
 
     `precision` is the sampler's numeric mode (float32 | bfloat16 | fp8, see the module
@@ -352,15 +398,22 @@ def sample(cfg: model.ModelConfig, params, prompt_tokens_BxP, prompt_mask_BxP,
     if stop_ids is None:
         eos = cfg.eos_token_id
         stop_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    st = _Static(max_new_tokens=sampling.max_new_tokens, num_samples=sampling.num_samples,
-                 greedy=sampling.temperature == 0, top_k=sampling.top_k,
-                 use_top_p=sampling.top_p < 1.0, stop_ids=tuple(sorted(set(stop_ids))),
-                 pad_id=pad_id)
+    st = _Static(
+        max_new_tokens=sampling.max_new_tokens,
+        num_samples=sampling.num_samples,
+        greedy=sampling.temperature == 0,
+        top_k=sampling.top_k,
+        use_top_p=sampling.top_p < 1.0,
+        stop_ids=tuple(sorted(set(stop_ids))),
+        pad_id=pad_id,
+    )
     mesh = mesh if mesh is not None else _infer_mesh(params)
     if mesh is not None and mesh.size > 1:
         target = shd.param_shardings(cfg, mesh, "sample")
-        if any(getattr(x, "sharding", None) != t
-               for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))):
+        if any(
+            getattr(x, "sharding", None) != t
+            for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))
+        ):
             params = shd.reshard(params, target)
     else:
         mesh = None
@@ -372,19 +425,23 @@ def sample(cfg: model.ModelConfig, params, prompt_tokens_BxP, prompt_mask_BxP,
     prefill, decode = _compiled(sample_cfg, st, mesh)
     temperature = jnp.float32(max(sampling.temperature, 1e-6))
     top_p = jnp.float32(sampling.top_p)
-    state = prefill(params, _place(tokens_np, mesh), _place(mask_np, mesh), rng, temperature,
-                    top_p)
+    state = prefill(params, _place(tokens_np, mesh), _place(mask_np, mesh), rng, temperature, top_p)
     state = decode(params, state, temperature, top_p)
 
     n = sampling.num_samples
-    prompts = jnp.repeat(_place(tokens_np[:, pb - p:], mesh), n, axis=0)
-    pmask = jnp.repeat(_place(mask_np[:, pb - p:], mesh), n, axis=0)
+    prompts = jnp.repeat(_place(tokens_np[:, pb - p :], mesh), n, axis=0)
+    pmask = jnp.repeat(_place(mask_np[:, pb - p :], mesh), n, axis=0)
     return SampleOutput(
-        tokens=state.tokens, response_mask=state.mask, behaviour_logp=state.behaviour_logp,
-        raw_logp=state.raw_logp, log_kept_mass=state.log_kept_mass,
-        lengths=state.mask.sum(-1).astype(jnp.int32), finished=state.done,
+        tokens=state.tokens,
+        response_mask=state.mask,
+        behaviour_logp=state.behaviour_logp,
+        raw_logp=state.raw_logp,
+        log_kept_mass=state.log_kept_mass,
+        lengths=state.mask.sum(-1).astype(jnp.int32),
+        finished=state.done,
         sequences=jnp.concatenate([prompts, state.tokens], axis=1),
-        sequence_mask=jnp.concatenate([pmask, state.mask], axis=1))
+        sequence_mask=jnp.concatenate([pmask, state.mask], axis=1),
+    )
 
 
 def compile_cache_size() -> int:

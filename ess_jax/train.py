@@ -27,6 +27,7 @@ from ess_jax import rollout as rollout_lib
 from ess_jax import sharding as sharding_lib
 from ess_jax.checkpoint import Checkpointer
 from ess_jax.data import PromptBatcher, sft_batches
+from ess_jax.data.noise import corrupt_demonstrations
 from ess_jax.metrics import MetricsWriter, plot_run, progress_postfix
 from ess_jax.optim import learning_rate_schedule, make_optimizer
 
@@ -251,9 +252,8 @@ class Run:
         state, state_sh = init_state(self.state.params, tx, self.mesh)
         batch_sh = sharding_lib.batch_sharding(self.mesh)
         step_fn = make_sft_step(self.cfg, tx, state_sh, batch_sh)
-        it = sft_batches(
-            self.train_examples, self.tokenizer, c.batch_size, c.seq_len, seed=self.config.seed
-        )
+        demos = corrupt_demonstrations(self.train_examples, c.demo_noise, self.config.seed)
+        it = sft_batches(demos, self.tokenizer, c.batch_size, c.seq_len, seed=self.config.seed)
         bar = tqdm(range(c.steps), desc="sft", dynamic_ncols=True, mininterval=2.0)
         for i in bar:
             b = next(it)
@@ -358,6 +358,7 @@ class Run:
             start = 0
         if not self.history.state():
             self.history.push(0, sharding_lib.reshard(self.state.params, self.sample_sh))
+            self.save(0, force=True)  # the SFT warm start is never redone after a crash
         step = start
         bar = tqdm(
             range(start, t.steps), desc="rl", initial=start, total=t.steps, dynamic_ncols=True

@@ -55,7 +55,7 @@ def test_broadcast_to_tokens():
 
 def test_dynamic_sampling_mask():
     np.testing.assert_array_equal(A.dynamic_sampling_mask(REWARDS, 3), [True, False])
-    np.testing.assert_array_equal(A.dynamic_sampling_mask(REWARDS, 2), [True, False, False])
+    np.testing.assert_array_equal(A.dynamic_sampling_mask(REWARDS, 2), [True, True, False])
     np.testing.assert_array_equal(A.dynamic_sampling_mask(np.array([0.0, 0.0]), 1), [False] * 2)
 
 

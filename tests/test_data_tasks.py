@@ -129,3 +129,43 @@ def test_split_assignment_is_pinned():
     test_keys = [k for k in keys if _split_of("addition", k, 0.1) == "test"]
     assert len(test_keys) == 51
     assert test_keys[:5] == ["10+26", "10+29", "10+38", "11+12", "11+16"]
+
+
+def test_addition_words_same_problems_and_splits_as_plain():
+    words, plain = get_task("addition", words=True), get_task("addition")
+    for split in ("train", "test"):
+        w, p = words.examples(split, 150), plain.examples(split, 150)
+        assert w == words.examples(split, 150)  # deterministic
+        assert [(e["a"], e["b"], e["answer"]) for e in w] == [
+            (e["a"], e["b"], e["answer"]) for e in p
+        ]
+    # The split key ignores the phrasing: every words problem lands where the plain one does.
+    for split in ("train", "test"):
+        for ex in words.examples(split, 100):
+            key = f"{min(ex['a'], ex['b'])}+{max(ex['a'], ex['b'])}"
+            assert _split_of("addition", key, words.test_fraction) == split
+    assert {(e["a"], e["b"]) for e in words.examples("test")} == {
+        (e["a"], e["b"]) for e in plain.examples("test")
+    }
+    prompts = [e["prompt"] for e in words.examples("train", 200)]
+    for phrase in ("buys", "morning", "box", "basket", "friend"):  # every template in use
+        assert any(phrase in p for p in prompts), phrase
+    ex = words.examples("train", 1)[0]
+    assert f"{ex['a']}" in ex["prompt"] and f"{ex['b']}" in ex["prompt"]
+    assert ex["prompt"].endswith("?") and "+" not in ex["prompt"]
+    assert get_task("addition", words=True, seed=3).examples("train", 50) != words.examples(
+        "train", 50
+    )
+
+
+def test_addition_words_reward_scores_the_final_number():
+    task = get_task("addition", digits=2, words=True)
+    assert task.reward == "gsm8k" and get_task("addition").reward == "addition"
+    reward = get_reward(task.reward)
+    for ex in task.examples("train", 100) + task.examples("test", 30):
+        a, b, s = ex["a"], ex["b"], int(ex["answer"])
+        assert ex["demonstration"] == f"{a} + {b} = {s}. The answer is {s}."
+        assert reward(ex["demonstration"], ex) == 1.0, ex
+        assert reward(ex["demonstration"] + "<|im_end|>junk 7", ex) == 1.0, ex
+        assert reward(f"{a} + {b} = {s + 1}. The answer is {s + 1}.", ex) == 0.0, ex
+        assert reward("I do not know.", ex) == 0.0, ex

@@ -174,9 +174,17 @@ def _assert_close(a, b, tol=1e-6):
         assert metrics_a[key] == pytest.approx(metrics_b[key], rel=tol, abs=tol), key
 
 
-@pytest.mark.parametrize("name", ["p3o", "p3o_dual"])
-def test_step_scope_is_invariant_to_microbatching(name):
-    cfg = O.ObjectiveConfig(name=name)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        O.ObjectiveConfig(name="p3o"),
+        O.ObjectiveConfig(name="p3o_dual"),
+        # sequence-level normalisers (global sequence count) must be invariant too
+        O.ObjectiveConfig(name="gspo", aggregation="seq_mean_token_mean", clip_eps_high=0.5),
+    ],
+    ids=lambda cfg: cfg.name,
+)
+def test_step_scope_is_invariant_to_microbatching(cfg):
     whole = _step(cfg, 1)
     assert 0.05 < whole[2]["ess"] < 0.95  # the cap and the KL term are both active
     for m in (2, 4):

@@ -42,13 +42,19 @@ def _hf_to_params(sd, cfg):
                 "o": w[pre + "self_attn.o_proj.weight"].T.reshape(H, K, D),
             },
             "attn_norm": w[pre + "input_layernorm.weight"],
-            "mlp": {"gate": w[pre + "mlp.gate_proj.weight"].T,
-                    "up": w[pre + "mlp.up_proj.weight"].T,
-                    "down": w[pre + "mlp.down_proj.weight"].T},
+            "mlp": {
+                "gate": w[pre + "mlp.gate_proj.weight"].T,
+                "up": w[pre + "mlp.up_proj.weight"].T,
+                "down": w[pre + "mlp.down_proj.weight"].T,
+            },
             "mlp_norm": w[pre + "post_attention_layernorm.weight"],
         }
-    tree = {"embed": w["model.embed_tokens.weight"], "layers": layers,
-            "final_norm": w["model.norm.weight"], "lm_head": w["lm_head.weight"].T}
+    tree = {
+        "embed": w["model.embed_tokens.weight"],
+        "layers": layers,
+        "final_norm": w["model.norm.weight"],
+        "lm_head": w["lm_head.weight"].T,
+    }
     return jax.tree.map(jnp.asarray, tree)
 
 
@@ -58,10 +64,21 @@ def hf_and_ours():
     import transformers
 
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=2,
-        num_attention_heads=H, num_key_value_heads=N, head_dim=K, rms_norm_eps=1e-6,
-        max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager",
-        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F,
+        num_hidden_layers=2,
+        num_attention_heads=H,
+        num_key_value_heads=N,
+        head_dim=K,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     with torch.no_grad():  # weights large enough that the next-token distribution is peaked
@@ -70,9 +87,18 @@ def hf_and_ours():
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.copy_(1.5 * torch.randn_like(p) / np.sqrt(p.shape[-1]))
-    cfg = model.ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=F, num_layers=2,
-                            num_heads=H, num_kv_heads=N, head_dim=K, rms_norm_eps=1e-6,
-                            max_position_embeddings=64, pad_token_id=0)
+    cfg = model.ModelConfig(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=F,
+        num_layers=2,
+        num_heads=H,
+        num_kv_heads=N,
+        head_dim=K,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
     return hf, cfg, _hf_to_params(hf.state_dict(), cfg)
 
 
@@ -84,14 +110,14 @@ def tiny(hf_and_ours):
 _RUNS = {}
 
 
-def _run(cfg, params, seed=0, precision="float32", mesh=None, prompts=PROMPTS, pmask=PMASK,
-         **kw):
+def _run(cfg, params, seed=0, precision="float32", mesh=None, prompts=PROMPTS, pmask=PMASK, **kw):
     """sample() on the shared shape, memoised; returns numpy fields."""
     key = (seed, precision, mesh, prompts.shape, tuple(sorted(kw.items())))
     if key not in _RUNS:
         sc = sampler.SamplingConfig(max_new_tokens=T, num_samples=NS, stop_ids=STOP, **kw)
-        out = sampler.sample(cfg, params, prompts, pmask, sc, jax.random.key(seed),
-                             precision=precision, mesh=mesh)
+        out = sampler.sample(
+            cfg, params, prompts, pmask, sc, jax.random.key(seed), precision=precision, mesh=mesh
+        )
         _RUNS[key] = jax.tree.map(np.asarray, out)
     return _RUNS[key]
 
@@ -99,7 +125,7 @@ def _run(cfg, params, seed=0, precision="float32", mesh=None, prompts=PROMPTS, p
 def _teacher_logits(cfg, params, out):
     """Full-forward float32 logits predicting each response token: [B, T, V]."""
     logits = _tf_logits(cfg, params, out.sequences, out.sequence_mask)
-    return np.asarray(logits, np.float64)[:, P - 1:-1]
+    return np.asarray(logits, np.float64)[:, P - 1 : -1]
 
 
 def _np_kept(scaled, top_k, top_p):
@@ -109,14 +135,13 @@ def _np_kept(scaled, top_k, top_p):
     vals = -np.sort(-scaled, axis=-1)
     margin = np.full(scaled.shape[:-1], np.inf)
     if top_k:
-        keep = scaled >= vals[..., top_k - 1: top_k]
+        keep = scaled >= vals[..., top_k - 1 : top_k]
         margin = vals[..., top_k - 1] - vals[..., top_k]
         vals = vals[..., :top_k]
     if top_p < 1:
         probs = np.exp(vals - vals.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
-        before = np.concatenate([np.zeros_like(probs[..., :1]), np.cumsum(probs, -1)[..., :-1]],
-                                -1)
+        before = np.concatenate([np.zeros_like(probs[..., :1]), np.cumsum(probs, -1)[..., :-1]], -1)
         n_keep = (before < top_p).sum(-1, keepdims=True)
         thresh = np.take_along_axis(vals, n_keep - 1, -1)
         keep &= scaled >= thresh
@@ -179,9 +204,11 @@ def test_tempered_behaviour_logp(tiny):
     assert (out.log_kept_mass == 0).all()
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_p=0.7),
-                                dict(temperature=0.8, top_k=6, top_p=0.8)],
-                         ids=["top_k", "top_p", "temp_top_k_top_p"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(top_k=5), dict(top_p=0.7), dict(temperature=0.8, top_k=6, top_p=0.8)],
+    ids=["top_k", "top_p", "temp_top_k_top_p"],
+)
 def test_truncated_behaviour_logp_and_support(tiny, kw):
     cfg, params = tiny
     out = _run(cfg, params, **kw)
@@ -199,13 +226,15 @@ def test_truncated_behaviour_logp_and_support(tiny, kw):
     full = _log_softmax(scaled)
     want = _pick(scaled, out.tokens) - kept_lse
     assert np.abs(want - out.behaviour_logp)[ok].max() <= 2e-5
-    mass = kept_lse - (np.log(np.exp(scaled - scaled.max(-1, keepdims=True)).sum(-1))
-                       + scaled.max(-1))
+    mass = kept_lse - (
+        np.log(np.exp(scaled - scaled.max(-1, keepdims=True)).sum(-1)) + scaled.max(-1)
+    )
     assert np.abs(mass - out.log_kept_mass)[ok].max() <= 2e-5
     assert (out.log_kept_mass[m] < 0).any() and (out.log_kept_mass <= 1e-6).all()
     # behaviour = tempered log-prob minus the log kept mass; raw is still the plain model
-    np.testing.assert_allclose(out.behaviour_logp[m],
-                               (_pick(full, out.tokens) - out.log_kept_mass)[m], atol=2e-5)
+    np.testing.assert_allclose(
+        out.behaviour_logp[m], (_pick(full, out.tokens) - out.log_kept_mass)[m], atol=2e-5
+    )
     tf = np.asarray(_tf_logp(cfg, params, out.sequences, out.sequence_mask))[:, P:]
     assert np.abs(tf - out.raw_logp).max() <= 1e-5
 
@@ -213,8 +242,11 @@ def test_truncated_behaviour_logp_and_support(tiny, kw):
 # ----------------------------------------------------------------------------- frequencies
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.7)],
-                         ids=["plain", "tempered", "top_k", "top_p"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.7)],
+    ids=["plain", "tempered", "top_k", "top_p"],
+)
 def test_sampling_frequencies_chi_square(tiny, kw):
     """First response token of each prompt (NS draws) against the exact target distribution."""
     cfg, params = tiny
@@ -250,14 +282,13 @@ def test_greedy_equals_argmax_loop_and_hf_generate(hf_and_ours):
     m = out.response_mask
     # identical rows within a prompt, behaviour_logp = log 1
     for i in range(PROMPTS.shape[0]):
-        assert (out.tokens[i * NS: (i + 1) * NS] == out.tokens[i * NS]).all()
+        assert (out.tokens[i * NS : (i + 1) * NS] == out.tokens[i * NS]).all()
     assert (out.behaviour_logp == 0).all() and (out.log_kept_mass == 0).all()
     tf = np.asarray(_tf_logp(cfg, params, out.sequences, out.sequence_mask))[:, P:]
     assert np.abs(tf - out.raw_logp).max() <= 1e-5
 
     # argmax loop over the full forward, stopping like the sampler
-    seq = np.concatenate([np.repeat(PROMPTS * PMASK, NS, 0), np.zeros((len(m), T), np.int32)],
-                         1)
+    seq = np.concatenate([np.repeat(PROMPTS * PMASK, NS, 0), np.zeros((len(m), T), np.int32)], 1)
     smask = np.concatenate([np.repeat(PMASK, NS, 0), np.zeros((len(m), T), bool)], 1)
     done = np.zeros(len(m), bool)
     for t in range(T):
@@ -271,10 +302,14 @@ def test_greedy_equals_argmax_loop_and_hf_generate(hf_and_ours):
 
     # Hugging Face greedy generate with the same stop ids, left-padded batch
     with torch.no_grad():
-        ref = hf.generate(torch.tensor(PROMPTS * PMASK, dtype=torch.long),
-                          attention_mask=torch.tensor(PMASK, dtype=torch.long),
-                          do_sample=False, max_new_tokens=T, eos_token_id=list(STOP),
-                          pad_token_id=0).numpy()[:, P:]
+        ref = hf.generate(
+            torch.tensor(PROMPTS * PMASK, dtype=torch.long),
+            attention_mask=torch.tensor(PMASK, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=T,
+            eos_token_id=list(STOP),
+            pad_token_id=0,
+        ).numpy()[:, P:]
     ref = np.pad(ref, ((0, 0), (0, T - ref.shape[1])))  # HF stops once every row is done
     np.testing.assert_array_equal(out.tokens[::NS], ref)
 
@@ -346,8 +381,12 @@ def test_low_precision_mismatch_is_small_and_finite(tiny, precision, bound, reco
     tf = np.asarray(_tf_logp(cfg, params, out.sequences, out.sequence_mask))[:, P:]
     diff = np.abs(tf - out.behaviour_logp)[m]
     ratio = np.exp(tf - out.behaviour_logp)[m]
-    stats = dict(mean_abs=float(diff.mean()), max_abs=float(diff.max()),
-                 ratio_min=float(ratio.min()), ratio_max=float(ratio.max()))
+    stats = dict(
+        mean_abs=float(diff.mean()),
+        max_abs=float(diff.max()),
+        ratio_min=float(ratio.min()),
+        ratio_max=float(ratio.max()),
+    )
     record_property(f"{precision}_logp_mismatch", stats)
     print(f"\n{precision} sampler vs float32 trainer log-probs: {stats}")
     assert 1e-5 < stats["mean_abs"] < bound

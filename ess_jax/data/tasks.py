@@ -9,6 +9,8 @@ examples do not depend on how many more are asked for.
 
 Prompts and completions are kept short for tiny char-level models:
     addition   "12+34="            -> "46"
+      words=True: "Tom has 12 apples and buys 34 more. How many apples does he have now?"
+                                   -> "12 + 34 = 46. The answer is 46."  (for chat LLMs)
     sort       "sort 3 1 2 2:"     -> "1 2 2 3"
     countdown  "make 22 from 3 5 7:" -> "3*5+7"  (any expression reaching 22 scores)
 """
@@ -100,22 +102,62 @@ def _random_int(rng: np.random.Generator, digits: int) -> int:
     return int(str(first) + "".join(str(d) for d in rest))
 
 
+# Word-problem phrasings of a+b, for chat LLMs (capitalised: not for the char tokenizer).
+_WORD_TEMPLATES = (
+    "{name} has {a} {items} and buys {b} more. How many {items} does {pron} have now?",
+    "{name} picked {a} {items} in the morning and {b} {items} in the afternoon. "
+    "How many {items} did {pron} pick in total?",
+    "A box holds {a} {items}. {name} puts {b} more {items} into it. "
+    "How many {items} are in the box now?",
+    "There are {a} {items} in a basket and {name} adds {b} more. "
+    "How many {items} are in the basket?",
+    "{name} had {a} {items}. A friend gave {obj} {b} more. How many {items} does {pron} have?",
+)
+_NAMES = (("Tom", "he", "him"), ("Anna", "she", "her"), ("Sam", "he", "him"))
+_NAMES += (("Maria", "she", "her"), ("Leo", "he", "him"), ("Emma", "she", "her"))
+_ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils")
+
+
+def _pick(options: tuple, *key) -> object:
+    digest = hashlib.blake2b("|".join(map(str, key)).encode(), digest_size=8).digest()
+    return options[int.from_bytes(digest, "little") % len(options)]
+
+
 @dataclasses.dataclass(frozen=True)
 class AdditionTask(Task):
-    """a+b with both operands of exactly `digits` digits (0-9 when digits=1)."""
+    """a+b with both operands of exactly `digits` digits (0-9 when digits=1).
+
+    words=True phrases each problem as a short word problem and demonstrates a worked
+    answer; the problems, answers and splits are those of words=False, in the same order
+    (the phrasing is a hash of (seed, a, b), not a draw from the problem stream).
+    """
 
     name: ClassVar[str] = "addition"
     digits: int = 2
+    words: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         if self.digits < 1:
             raise ValueError(f"digits must be >= 1, got {self.digits}")
 
+    @property
+    def reward(self) -> str:
+        # A worked answer is not an exact match: score its final number instead.
+        return "gsm8k" if self.words else self.name
+
     def _draw(self, rng):
         a, b = _random_int(rng, self.digits), _random_int(rng, self.digits)
         answer = str(a + b)
         example = {"prompt": f"{a}+{b}=", "answer": answer, "demonstration": answer, "a": a, "b": b}
+        if self.words:
+            name, pron, obj = _pick(_NAMES, self.seed, a, b, "name")
+            template = _pick(_WORD_TEMPLATES, self.seed, a, b, "template")
+            items = _pick(_ITEMS, self.seed, a, b, "items")
+            example["prompt"] = template.format(
+                name=name, pron=pron, obj=obj, items=items, a=a, b=b
+            )
+            example["demonstration"] = f"{a} + {b} = {answer}. The answer is {answer}."
         return f"{min(a, b)}+{max(a, b)}", example
 
 

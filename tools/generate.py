@@ -1,0 +1,112 @@
+"""Sample a completion from a checkpoint with the ess_jax sampler.
+
+    .venv/bin/python tools/generate.py --prompt "What is 7 * 8?"          # SmolLM2 GGUF
+    .venv/bin/python tools/generate.py --checkpoint /path/hf_dir --prompt "Hi" \\
+        --temperature 0.7 --top-p 0.9 --max-new-tokens 64 --num-samples 2 --show-logp
+
+The chat template is applied when the tokenizer has one (disable with --no-chat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some versions
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--checkpoint",
+        default=None,
+        help="HF checkpoint directory or .gguf file (default: SmolLM2-135M GGUF)",
+    )
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--num-samples", type=int, default=1)
+    ap.add_argument("--precision", default="float32", choices=("float32", "bfloat16", "fp8"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--show-logp",
+        action="store_true",
+        help="print each token with its behaviour and raw log-probs",
+    )
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from ess_jax import sampler, weights
+
+    path = args.checkpoint or weights.smollm2_gguf_path()
+    t0 = time.perf_counter()
+    cfg, params, tokenizer = weights.load_checkpoint(path)
+    if tokenizer is None:
+        raise SystemExit(f"{path} has no tokenizer files; cannot encode a text prompt")
+    ids = encode(tokenizer, args.prompt, args.chat)
+    print(
+        f"[loaded {path} in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens]",
+        file=sys.stderr,
+    )
+
+    stop = (
+        set()
+        if cfg.eos_token_id is None
+        else ({cfg.eos_token_id} if isinstance(cfg.eos_token_id, int) else set(cfg.eos_token_id))
+    )
+    if tokenizer.eos_token_id is not None:
+        stop.add(int(tokenizer.eos_token_id))
+    sc = sampler.SamplingConfig(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        num_samples=args.num_samples,
+        stop_ids=tuple(sorted(stop)),
+    )
+    prompt = np.asarray([ids], np.int32)
+    t0 = time.perf_counter()
+    out = sampler.sample(
+        cfg,
+        params,
+        prompt,
+        np.ones_like(prompt, bool),
+        sc,
+        jax.random.key(args.seed),
+        precision=args.precision,
+    )
+    out = jax.tree.map(np.asarray, out)
+    dt = time.perf_counter() - t0
+    for i in range(args.num_samples):
+        n = int(out.lengths[i])
+        toks = out.tokens[i, :n]
+        if args.num_samples > 1:
+            print(f"--- sample {i} ({n} tokens, {'stopped' if out.finished[i] else 'max'})")
+        print(tokenizer.decode(toks.tolist(), skip_special_tokens=True))
+        if args.show_logp:
+            for t, b, r in zip(toks, out.behaviour_logp[i, :n], out.raw_logp[i, :n]):
+                print(f"  {tokenizer.decode([int(t)])!r:>16} behaviour {b:8.4f}  raw {r:8.4f}")
+    print(f"[{int(out.lengths.sum())} tokens in {dt:.1f}s including compilation]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
