@@ -207,6 +207,16 @@ class Checkpointer:
 
     # --------------------------------------------------------------------------- restore
 
+    def read_metadata(self, step: int) -> dict:
+        """The JSON metadata of a committed step, without touching its arrays (a caller can
+        build the abstract state from it, e.g. how many policy versions were kept)."""
+        step = int(step)
+        if not self._committed(step):
+            raise FileNotFoundError(f"no committed checkpoint step {step} in {self.directory}")
+        self._mngr.reload()
+        out = self._mngr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+        return out["metadata"]
+
     def restore(self, abstract_state, step: int | None = None) -> tuple[int, Any, dict]:
         """(step, state, metadata) for `step` (default: latest committed).
 

@@ -72,6 +72,7 @@ def _apply_update(state: TrainState, tx, loss, grads):
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    ok = ok & jnp.isfinite(optax.global_norm(updates))  # e.g. a NaN learning rate
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     new = TrainState(
@@ -215,22 +216,19 @@ class Run:
         step = self.ckpt.latest_step()
         if step is None:
             return None
-        meta = self.ckpt.read_metadata(step) if hasattr(self.ckpt, "read_metadata") else None
-        versions = (meta or {}).get("history_versions")
-        abstract = self._abstract_tree(len(versions) if versions is not None else None)
-        step, tree, meta = self.ckpt.restore(abstract, step)
+        n_versions = len(self.ckpt.read_metadata(step)["history_versions"])
+        step, tree, meta = self.ckpt.restore(self._abstract_tree(n_versions), step)
         self.state = tree["state"]
         self.ref_params = tree.get("ref")
         self.history.restore(list(zip(meta["history_versions"], tree["history"])))
         self.batcher.restore(meta["data"])
         return step
 
-    def _abstract_tree(self, n_history):
+    def _abstract_tree(self, n_history: int):
         as_abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         state = jax.tree.map(as_abstract, self.state, self.state_sh)
         hist_one = jax.tree.map(as_abstract, self.state.params, self.sample_sh)
-        n = self.config.rollout.lag + 1 if n_history is None else n_history
-        tree = {"state": state, "history": [hist_one] * n}
+        tree = {"state": state, "history": [hist_one] * n_history}
         if self.obj_cfg.beta_kl > 0:
             tree["ref"] = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
         return tree

@@ -4,6 +4,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -38,6 +39,7 @@ def first_rows(config, workdir, steps=1):
 
 def test_full_loop_writes_metrics_checkpoint_png_and_resumes_exactly(tmp_path):
     c = quickstart.get_config("tiny")
+    c.rollout.lag = 1  # the stale-policy history must be checkpointed and restored too
     full = tmp_path / "full"
     png = train.run(c, str(full))
     assert os.path.exists(png) and os.path.getsize(png) > 1000
@@ -63,6 +65,7 @@ def test_full_loop_writes_metrics_checkpoint_png_and_resumes_exactly(tmp_path):
     # Interrupt after 2 steps (a checkpoint is written at step 2), then resume to the end.
     part = tmp_path / "part"
     c_short = quickstart.get_config("tiny")
+    c_short.rollout.lag = 1
     c_short.train.steps = 2
     train.run(c_short, str(part))
     train.run(c, str(part))
@@ -144,3 +147,24 @@ def test_metrics_rows_are_json(tmp_path):
     with open(tmp_path / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert rows and all("step" in r for r in rows)
+
+
+def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    real = train.obj_lib.step_loss_and_grad
+
+    def poisoned(*args, **kwargs):
+        loss, grads, metrics = real(*args, **kwargs)
+        return loss * jnp.nan, jax.tree.map(lambda g: g * jnp.nan, grads), metrics
+
+    monkeypatch.setattr(train.obj_lib, "step_loss_and_grad", poisoned)
+    run = train.Run(tiny_config(), str(tmp_path))
+    before = jax.device_get(run.state.params)
+    run.history.push(0, train.sharding_lib.reshard(run.state.params, run.sample_sh))
+    rows = [run.rl_step(0), run.rl_step(1)]
+    assert [r["skipped"] for r in rows] == [1, 1]
+    with pytest.raises(train.NonFiniteError, match="3 updates in a row"):
+        run.rl_step(2)
+    after = jax.device_get(run.state.params)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)  # never overwritten with NaNs
+    assert int(run.state.step) == 0
