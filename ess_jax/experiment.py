@@ -120,8 +120,12 @@ def _check_checkpoint(field: str, source: str) -> None:
         _fail(field, f"{source!r} has no config.json (not a Hugging Face checkpoint)")
 
 
-def load_policy(mcfg, mesh=None) -> tuple[model_lib.ModelConfig, Any, Any]:
-    """(cfg, params, tokenizer) for `model.source`: embedded | smollm2 | HF dir | .gguf."""
+def load_policy(
+    mcfg, mesh=None, need_tokenizer: bool = True
+) -> tuple[model_lib.ModelConfig, Any, Any]:
+    """(cfg, params, tokenizer) for `model.source`: embedded | smollm2 | HF dir | .gguf.
+
+    An external behaviour model shares the policy's tokenizer: `need_tokenizer=False`."""
     from ess_jax import weights  # heavy imports (safetensors, gguf) only when needed
 
     source = mcfg.source
@@ -148,7 +152,7 @@ def load_policy(mcfg, mesh=None) -> tuple[model_lib.ModelConfig, Any, Any]:
         return cfg, params, tok
     path = weights.smollm2_gguf_path() if source == "smollm2" else source
     cfg, params, tok = weights.load_checkpoint(path, mesh=mesh)
-    if tok is None:
+    if tok is None and need_tokenizer:
         raise ValueError(f"config.model.source: {path!r} has no tokenizer files")
     return cfg.replace(dtype=mcfg.dtype), params, tok
 

@@ -174,7 +174,9 @@ class Run:
         self.external = None
         if config.rollout.external_fraction > 0:
             ecfg, eparams, _ = experiment.load_policy(
-                _with_source(config.model, config.rollout.external_checkpoint), self.mesh
+                _with_source(config.model, config.rollout.external_checkpoint),
+                self.mesh,
+                need_tokenizer=False,
             )
             if ecfg.vocab_size != self.cfg.vocab_size:
                 raise ValueError(
