@@ -176,3 +176,22 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)  # never overwritten with NaNs
     assert int(run.state.step) == 0
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path, monkeypatch):
+    c = tiny_config(**{"train.steps": 3, "train.checkpoint_every": 100})
+    real = train.Run.rl_step
+
+    def interrupted(self, step):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(self, step)
+
+    monkeypatch.setattr(train.Run, "rl_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(c, str(tmp_path))
+    assert train.Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2
+    monkeypatch.setattr(train.Run, "rl_step", real)
+    train.run(c, str(tmp_path))
+    steps = [r["step"] for r in read_metrics(tmp_path) if "reward_mean" in r]
+    assert steps == [0, 1, 2]
