@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 import jax
@@ -135,7 +136,8 @@ class Checkpointer:
     ):
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 or None (keep all), got {keep}")
-        self.directory = epath.Path(directory)
+        # orbax (tensorstore) needs an absolute path
+        self.directory = epath.Path(os.path.abspath(directory))
         self._async = async_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,

@@ -147,7 +147,7 @@ class Run:
 
     def __init__(self, config, workdir: str):
         experiment.validate(config)
-        self.config, self.workdir = config, workdir
+        self.config, self.workdir = config, os.path.abspath(workdir)
         sharding_lib.maybe_initialize_distributed()
         self.mesh = sharding_lib.make_mesh(dict(config.mesh))
         self.cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
@@ -192,7 +192,7 @@ class Run:
             )
         self.ref_params = None
         self.ckpt = Checkpointer(
-            os.path.join(workdir, "checkpoints"), keep=config.train.keep_checkpoints
+            os.path.join(self.workdir, "checkpoints"), keep=config.train.keep_checkpoints
         )
         self.rng = jax.random.key(config.seed)
         self._rl_steps: dict = {}

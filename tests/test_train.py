@@ -149,10 +149,12 @@ def test_bad_config_fails_before_compiling(tmp_path, key, value, field):
     assert not os.path.exists(tmp_path / "checkpoints")
 
 
-def test_metrics_rows_are_json(tmp_path):
+def test_relative_workdir_and_metrics_rows_are_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # README's command uses a relative --workdir
     c = tiny_config(**{"train.steps": 1})
-    train.run(c, str(tmp_path))
-    with open(tmp_path / "metrics.jsonl") as f:
+    train.run(c, "runs/rel")
+    assert train.Checkpointer("runs/rel/checkpoints").latest_step() == 1
+    with open(tmp_path / "runs/rel/metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert rows and all("step" in r for r in rows)
 
