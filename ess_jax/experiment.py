@@ -146,10 +146,8 @@ def load_policy(
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         )
-        params = model_lib.init_params(cfg, int(mcfg.init_seed))
-        if mesh is not None:
-            params = sharding_lib.reshard(params, sharding_lib.param_shardings(cfg, mesh))
-        return cfg, params, tok
+        shardings = None if mesh is None else sharding_lib.param_shardings(cfg, mesh)
+        return cfg, model_lib.init_params(cfg, int(mcfg.init_seed), shardings), tok
     path = weights.smollm2_gguf_path() if source == "smollm2" else source
     cfg, params, tok = weights.load_checkpoint(path, mesh=mesh)
     if tok is None and need_tokenizer:

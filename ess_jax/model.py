@@ -261,19 +261,27 @@ def _abstract(cfg: ModelConfig):
     return graphdef, state
 
 
-@functools.lru_cache(maxsize=8)
-def _init_fn(cfg: ModelConfig):
-    # jitted: eager NNX init compiles op by op (seconds even for a tiny model)
-    return jax.jit(
-        lambda key: nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(key)), nnx.Param))
-    )
+def _init(cfg: ModelConfig, key: jax.Array) -> Params:
+    return nnx.to_pure_dict(nnx.state(Decoder(cfg, rngs=nnx.Rngs(key)), nnx.Param))
 
 
-def init_params(cfg: ModelConfig, rng: jax.Array | int = 0) -> Params:
-    """Random float32 parameters as a plain nested dict."""
+def init_params(cfg: ModelConfig, rng: jax.Array | int = 0, shardings=None) -> Params:
+    """Random float32 parameters as a plain nested dict.
+
+    With `shardings` (e.g. `sharding.param_shardings(cfg, mesh)`) each parameter is created
+    directly in its shard: the full model never exists on one device.
+    """
     # rbg keys: XLA:CPU takes ~10x longer to compile threefry for every param's normal draw
     key = jax.random.key(rng, impl="rbg") if isinstance(rng, int) else rng
-    return _init_fn(cfg)(key)
+    leaves, treedef = jax.tree.flatten(shardings)
+    return _init_fn(cfg, tuple(leaves), treedef)(key)
+
+
+@functools.lru_cache(maxsize=8)
+def _init_fn(cfg: ModelConfig, sharding_leaves: tuple, treedef):
+    # jitted (eager NNX init compiles op by op) and cached per (config, layout)
+    shardings = jax.tree.unflatten(treedef, sharding_leaves) if sharding_leaves else None
+    return jax.jit(functools.partial(_init, cfg), out_shardings=shardings)
 
 
 def abstract_params(cfg: ModelConfig) -> Params:
