@@ -7,6 +7,7 @@ top_k=0, top_p=1, precision=float32, lag=0, external_fraction=0, train.updates_p
 from __future__ import annotations
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -57,9 +58,22 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
     c.rollout.overlong_buffer = 0  # DAPO soft overlong penalty buffer (tokens); 0: off
 
+    # Every ObjectiveConfig field, so each can be set from the command line; None (a typed
+    # placeholder) means the objective's own default (DAPO / GSPO clips from their papers).
     c.objective = ml_collections.ConfigDict()
-    c.objective.name = "p3o"
-    c.objective.ess_scope = "step"
+    c.objective.name = "p3o"  # p3o | p3o_dual | grpo | dapo | cispo | gspo | gspo_token | ...
+    c.objective.ess_scope = "step"  # step (micro-batch invariant) | microbatch (reference code)
+    c.objective.kl_estimator = "k3"
+    c.objective.ref_kl_estimator = "k3"
+    c.objective.aggregation = "token_mean"
+    c.objective.constant_normalizer = 1.0
+    c.objective.clip_eps_low = placeholder(float)
+    c.objective.clip_eps_high = placeholder(float)
+    c.objective.dual_version = "mixture"  # two_kl | mixture
+    c.objective.dual_kl_gate = 1e-6
+    c.objective.behaviour_weight_cap = placeholder(float)
+    c.objective.beta_kl = 0.0
+    c.objective.beta_ent = 0.0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-5

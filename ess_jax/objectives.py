@@ -103,8 +103,9 @@ class ObjectiveConfig:
     @classmethod
     def from_dict(cls, d: Any) -> ObjectiveConfig:
         """From a dict or ml_collections ConfigDict; unknown keys raise ValueError. Clip
-        ranges not given take the objective's paper values (`paper_defaults`)."""
+        ranges not given (or None) take the objective's paper values (`paper_defaults`)."""
         d = d.to_dict() if hasattr(d, "to_dict") else dict(d)
+        d = {k: v for k, v in d.items() if v is not None}  # None: the field's default
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown ObjectiveConfig keys: {unknown}")

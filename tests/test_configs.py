@@ -69,3 +69,18 @@ def test_paper_model_train_layout_shards_every_large_param(mesh_shape):
     sample = sharding.param_shardings(QWEN3_4B, mesh, "sample")
     emb = sample["embed"].spec
     assert "fsdp" not in jax.tree.leaves(tuple(emb))  # sampling layout: no FSDP all-gathers
+
+
+def test_every_objective_field_is_in_the_config_and_none_means_paper_default():
+    import dataclasses
+
+    from ess_jax.defaults import base_config
+    from ess_jax.objectives import ObjectiveConfig
+
+    c = base_config()
+    assert set(c.objective.keys()) == {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    assert ObjectiveConfig.from_dict(c.objective) == ObjectiveConfig()
+    c.objective.name = "dapo"
+    assert ObjectiveConfig.from_dict(c.objective).clip_eps_high == 0.28  # DAPO clip-higher
+    c.objective.clip_eps_high = 0.3
+    assert ObjectiveConfig.from_dict(c.objective).clip_eps_high == 0.3

@@ -97,6 +97,7 @@ def test_on_policy_ess_is_one(tmp_path):
     [
         ("rollout.temperature", 1.5, 0),
         ("rollout.top_p", 0.7, 0),
+        ("rollout.top_k", 4, 0),
         ("rollout.precision", "bfloat16", 0),
         ("rollout.precision", "fp8", 0),
         ("train.updates_per_batch", 2, 0),
@@ -107,7 +108,7 @@ def test_each_off_policy_knob_lowers_ess(tmp_path, knob, value, step):
     overrides = {knob: value, "optim.lr": 1e-2}
     if knob == "train.updates_per_batch":
         overrides["data.prompts_per_step"] = 4  # two updates of 8 sequences
-    if knob == "rollout.top_p":
+    if knob in ("rollout.top_p", "rollout.top_k"):
         # A random init is near-uniform over the vocab: every row then keeps ~70% of the mass,
         # all ratios are ~0.70 and the ESS is 1. A short warm start gives a peaked policy.
         overrides["sft.steps"] = 30
