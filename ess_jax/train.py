@@ -196,6 +196,7 @@ class Run:
         )
         self.rng = jax.random.key(config.seed)
         self._rl_steps: dict = {}
+        self._step_start = None  # (data position, optimizer step) while a step runs
 
     # ------------------------------------------------------------------ checkpoints
     def _ckpt_tree(self):
@@ -286,9 +287,35 @@ class Run:
             buckets=tuple(self.config.data.buckets),
         )
 
+    def save_on_interrupt(self, step: int) -> None:
+        """Ctrl-C: save what can be saved without losing or corrupting anything.
+
+        Before the step's first update (the common case: sampling takes most of a step) the
+        state is the step's start state: rewind the data iterator and the resume is exact.
+        After it, the update has donated buffers the policy history may share (lag 0, same
+        layouts): save the updated state as step + 1 (that step's metrics row is not written).
+        During it, the old state is gone: keep the last periodic checkpoint.
+        """
+        started = self._step_start
+        leaves = jax.tree.leaves(self.state)
+        if any(x.is_deleted() for x in leaves):
+            logging.error(
+                "interrupted inside an update: keeping the checkpoint at step %s",
+                self.ckpt.latest_step(),
+            )
+            return
+        if started is not None and int(self.state.step) != started[1]:
+            step += 1
+            self.history.push(step, jax.tree.map(jnp.copy, self.state.params))
+        elif started is not None:
+            self.batcher.restore(started[0])
+        logging.warning("interrupted: saving a checkpoint at step %d", step)
+        self.save(step, force=True)
+
     def rl_step(self, step: int) -> dict:
         cfg_r, t = self.config.rollout, self.config.train
         t0 = time.perf_counter()
+        self._step_start = (self.batcher.state(), int(self.state.step))
         version, params_b = self.history.behaviour()
         rcfg = _with_stop_ids(cfg_r, self.stop_ids)
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
@@ -333,6 +360,7 @@ class Run:
                 f"(step {step}); the last good state is kept. Lower optim.lr or check the data."
             )
         self.history.push(step + 1, sharding_lib.reshard(self.state.params, self.sample_sh))
+        self._step_start = None
         elapsed = time.perf_counter() - t0
         row = {k: float(np.mean([m[k] for m in upd_metrics])) for k in upd_metrics[0]}
         row["ess_min"] = float(np.min([m["ess"] for m in upd_metrics]))
@@ -377,8 +405,7 @@ class Run:
                 writer.write({"step": step, **self.evaluate(step)})
             self.save(step, force=True)
         except KeyboardInterrupt:
-            logging.warning("interrupted: saving a checkpoint at step %d", step)
-            self.save(step, force=True)
+            self.save_on_interrupt(step)
             raise
         finally:
             self.ckpt.wait()

@@ -198,3 +198,49 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path, monkeypatch):
     train.run(c, str(tmp_path))
     steps = [r["step"] for r in read_metrics(tmp_path) if "reward_mean" in r]
     assert steps == [0, 1, 2]
+
+
+def test_ctrl_c_between_update_and_history_push_still_saves(tmp_path, monkeypatch):
+    # lag 0 on one layout: the history shares buffers with the params the update donated
+    c = tiny_config(**{"train.steps": 3, "train.checkpoint_every": 100})
+    real_push = train.rollout_lib.ParamHistory.push
+
+    raised = []
+
+    def push(self, version, params):
+        if version == 2 and not raised:  # once: the interrupt handler pushes version 2 too
+            raised.append(1)
+            raise KeyboardInterrupt
+        return real_push(self, version, params)
+
+    monkeypatch.setattr(train.rollout_lib.ParamHistory, "push", push)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(c, str(tmp_path))
+    monkeypatch.setattr(train.rollout_lib.ParamHistory, "push", real_push)
+    # step 1's update was applied: its state is saved as step 2 (no deleted buffer touched)
+    assert train.Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2
+    train.run(c, str(tmp_path))
+    assert [r["step"] for r in read_metrics(tmp_path) if "reward_mean" in r] == [0, 2]
+
+
+def test_ctrl_c_while_sampling_resumes_exactly(tmp_path, monkeypatch):
+    c = tiny_config(**{"train.steps": 3, "train.checkpoint_every": 100})
+    train.run(c, str(tmp_path / "full"))
+    real_collect = train.rollout_lib.collect
+    calls = []
+
+    def collect(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # step 1, after the data iterator has moved on
+            raise KeyboardInterrupt
+        return real_collect(*args, **kwargs)
+
+    monkeypatch.setattr(train.rollout_lib, "collect", collect)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(c, str(tmp_path / "cut"))
+    monkeypatch.setattr(train.rollout_lib, "collect", real_collect)
+    assert train.Checkpointer(str(tmp_path / "cut" / "checkpoints")).latest_step() == 1
+    train.run(c, str(tmp_path / "cut"))
+    volatile = ("tokens_per_s", "sample_s", "step_s")
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in volatile} for r in rs]
+    assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "full"))
