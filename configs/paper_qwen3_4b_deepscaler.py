@@ -18,6 +18,7 @@ def get_config(arg: str | None = None):
     c.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
     c.model.source = "/path/to/Qwen3-4B-Thinking-2507"
     c.model.dtype = "bfloat16"  # BF16 training compute, float32 masters
+    c.model.logits_chunk = 1024  # never hold [B, 4K+, 151936] float32 logits at once
     c.task.name = "deepscaler"
     c.task.reward = "math"
     c.task.manual_dir = "/path/to/deepscaler"

@@ -18,6 +18,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.source = "embedded"  # embedded | smollm2 | path to an HF dir or a .gguf file
     c.model.dtype = "float32"  # trainer compute dtype (params are float32 masters)
+    c.model.logits_chunk = (
+        0  # > 0: trainer log-probs compute the LM head this many tokens at a time
+    )
     # embedded model only (a char-level Llama-style decoder trained from scratch):
     c.model.hidden_size = 64
     c.model.intermediate_size = 192

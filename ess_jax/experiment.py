@@ -145,6 +145,7 @@ def load_policy(
             bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
+            logits_chunk=mcfg.logits_chunk,
         )
         shardings = None if mesh is None else sharding_lib.param_shardings(cfg, mesh)
         return cfg, model_lib.init_params(cfg, int(mcfg.init_seed), shardings), tok
@@ -152,7 +153,7 @@ def load_policy(
     cfg, params, tok = weights.load_checkpoint(path, mesh=mesh)
     if tok is None and need_tokenizer:
         raise ValueError(f"config.model.source: {path!r} has no tokenizer files")
-    return cfg.replace(dtype=mcfg.dtype), params, tok
+    return cfg.replace(dtype=mcfg.dtype, logits_chunk=mcfg.logits_chunk), params, tok
 
 
 def load_examples(tcfg) -> tuple[list[dict], list[dict]]:

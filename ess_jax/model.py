@@ -51,6 +51,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # token_logprobs: > 0 computes the LM head in chunks of this many positions (memory for
+    # long sequences x large vocabularies); 0 materialises all [B, T, V] logits at once
+    logits_chunk: int = 0
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -235,9 +238,9 @@ class Decoder(nnx.Module):
                 1.0 / math.sqrt(cfg.hidden_size),
             )
 
-    def __call__(self, cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
-        dt = cfg.compute_dtype
-        x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dt)
+    def hidden(self, cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
+        """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache."""
+        x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, c = layer(
@@ -245,11 +248,20 @@ class Decoder(nnx.Module):
             )
             new_cache.append(c)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        return x, (None if cache is None else new_cache)
+
+    def logits(self, cfg, x_BxTxD):
         head_DxV = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum(
-            "btd,dv->btv", x, head_DxV.astype(dt), preferred_element_type=jnp.float32
+        return jnp.einsum(
+            "btd,dv->btv",
+            x_BxTxD,
+            head_DxV.astype(cfg.compute_dtype),
+            preferred_element_type=jnp.float32,
         )
-        return logits, (None if cache is None else new_cache)
+
+    def __call__(self, cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
+        x, new_cache = self.hidden(cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache, cache_index)
+        return self.logits(cfg, x), new_cache
 
 
 # ----------------------------------------------------------------------------- functional API
@@ -348,18 +360,41 @@ def token_logprobs(
     """log pi(tokens[t] | tokens[<t]) at every position t, float32, aligned with tokens.
 
     Position 0 (no context) and masked positions get 0. With `return_entropy`, also the
-    full-distribution entropy of the prediction of each token.
+    full-distribution entropy of the prediction of each token. With `cfg.logits_chunk` > 0
+    the [B, T, V] logits are never materialised: they are computed (and, in the backward
+    pass, recomputed) `logits_chunk` positions at a time.
     """
     if mask_BxT is None:
         mask_BxT = jnp.ones(tokens_BxT.shape, bool)
-    logits = apply(cfg, params, tokens_BxT, mask_BxT).astype(jnp.float32)[:, :-1]
-    lp = logprobs_from_logits(logits, tokens_BxT[:, 1:])
-    valid = mask_BxT[:, 1:].astype(bool)
+    mask_BxT = mask_BxT.astype(bool)
+    module = bind(cfg, params)
+    x, _ = module.hidden(cfg, tokens_BxT, positions_from_mask(mask_BxT), mask_BxT)
+    x, targets = x[:, :-1], tokens_BxT[:, 1:]
+
+    def score(x_BxCxD, tgt_BxC):
+        logits = module.logits(cfg, x_BxCxD)
+        lp = logprobs_from_logits(logits, tgt_BxC)
+        if not return_entropy:
+            return lp, jnp.zeros_like(lp)
+        logq = jax.nn.log_softmax(logits, axis=-1)
+        return lp, -jnp.sum(jnp.exp(logq) * logq, axis=-1)
+
+    t, c = x.shape[1], cfg.logits_chunk
+    if c <= 0 or t <= c:
+        lp, ent = score(x, targets)
+    else:
+        pad = -t % c
+        xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+        ts = jnp.pad(targets, ((0, 0), (0, pad)))
+        split = lambda a: jnp.moveaxis(a.reshape(a.shape[0], -1, c, *a.shape[2:]), 1, 0)
+        # checkpoint: the backward pass recomputes each chunk's logits instead of storing them
+        lp, ent = jax.lax.map(lambda a: jax.checkpoint(score)(*a), (split(xs), split(ts)))
+        merge = lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1)[:, :t]
+        lp, ent = merge(lp), merge(ent)
+    valid = mask_BxT[:, 1:]
     logp = jnp.pad(jnp.where(valid, lp, 0.0), ((0, 0), (1, 0)))
     if not return_entropy:
         return logp
-    logq = jax.nn.log_softmax(logits, axis=-1)
-    ent = -jnp.sum(jnp.exp(logq) * logq, axis=-1)
     return logp, jnp.pad(jnp.where(valid, ent, 0.0), ((0, 0), (1, 0)))
 
 
