@@ -6,7 +6,6 @@ with a message naming the field, not after minutes of XLA compilation.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -28,19 +27,10 @@ def _fail(field: str, msg: str):
 
 
 def _mesh_sizes(config) -> dict[str, int]:
-    sizes = {a: int(config.mesh.get(a, 1)) for a in sharding_lib.MESH_AXES}
-    unknown = set(config.mesh.keys()) - set(sharding_lib.MESH_AXES)
-    if unknown:
-        _fail("mesh", f"unknown axes {sorted(unknown)}; valid: {sharding_lib.MESH_AXES}")
-    n = jax.device_count()
-    if list(sizes.values()).count(-1) == 1:
-        known = math.prod(s for s in sizes.values() if s != -1)
-        if n % known:
-            _fail("mesh", f"{n} devices cannot be split into {sizes}")
-        sizes = {a: (n // known if s == -1 else s) for a, s in sizes.items()}
-    if math.prod(sizes.values()) != n:
-        _fail("mesh", f"{sizes} needs {math.prod(sizes.values())} devices, have {n}")
-    return sizes
+    try:
+        return sharding_lib.mesh_shape(dict(config.mesh), jax.device_count())
+    except ValueError as e:
+        _fail("mesh", str(e))
 
 
 def validate(config) -> None:

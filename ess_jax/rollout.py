@@ -24,7 +24,6 @@ from flax import struct
 
 from ess_jax import advantages as adv_lib
 from ess_jax import sampler as sampler_lib
-from ess_jax.data import repeat_for_group
 
 
 @struct.dataclass
@@ -129,7 +128,8 @@ def collect(
         rng_pol,
         rcfg.precision,
     )
-    fields = {k: np.asarray(getattr(out, k)) for k in ("tokens", "response_mask", "behaviour_logp")}
+    keys = ("tokens", "response_mask", "behaviour_logp", "sequences", "sequence_mask")
+    fields = {k: np.asarray(getattr(out, k)) for k in keys}
     if n_ext:
         ext_out, ext_version = _draw(
             external,
@@ -157,23 +157,19 @@ def collect(
             np.float32,
         )
 
-    adv_N = np.asarray(
-        adv_lib.group_advantages(jnp.asarray(rewards), group, mode=rcfg.advantage_mode)
-    )
+    adv_N = adv_lib.group_advantages(jnp.asarray(rewards), group, mode=rcfg.advantage_mode)
     loss_mask = resp_mask.astype(np.float32)
     if rcfg.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal
         keep = np.repeat(
             np.asarray(adv_lib.dynamic_sampling_mask(jnp.asarray(rewards), group)), group
         )
         loss_mask = loss_mask * keep[:, None]
-    prompts_rep = np.asarray(repeat_for_group(np.asarray(prompts), group))
-    pmask_rep = np.asarray(repeat_for_group(np.asarray(pmask), group))
     rollout = Rollout(
-        tokens=np.concatenate([prompts_rep, fields["tokens"]], 1).astype(np.int32),
-        attn_mask=np.concatenate([pmask_rep.astype(bool), resp_mask], 1),
+        tokens=fields["sequences"].astype(np.int32),
+        attn_mask=fields["sequence_mask"].astype(bool),
         loss_mask=loss_mask,
         behaviour_logp=np.where(resp_mask, fields["behaviour_logp"], 0.0).astype(np.float32),
-        advantages=(adv_N[:, None] * resp_mask).astype(np.float32),
+        advantages=np.asarray(adv_lib.broadcast_to_tokens(adv_N, resp_mask)),
         rewards=rewards,
         policy_version=version.astype(np.int32),
         prompt_len=int(prompts.shape[1]),

@@ -54,15 +54,11 @@ def maybe_initialize_distributed() -> None:
             jax.distributed.initialize()
 
 
-def make_mesh(
-    shape: Mapping[str, int] | Sequence[int] | None = None,
-    devices: Sequence[jax.Device] | None = None,
-) -> Mesh:
-    """Mesh over (data, fsdp, tensor). One size may be -1 (all remaining devices).
+def mesh_shape(shape: Mapping[str, int] | Sequence[int] | None, num_devices: int) -> dict:
+    """{data, fsdp, tensor} sizes for `num_devices`, resolving one -1; ValueError if impossible.
 
     `shape=None` puts every device on `fsdp`.
     """
-    devices = list(devices if devices is not None else jax.devices())
     if shape is None:
         shape = {"fsdp": -1}
     if isinstance(shape, Mapping):
@@ -78,16 +74,26 @@ def make_mesh(
         raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(f"{len(devices)} devices do not divide into mesh {sizes}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
+        if num_devices % known:
+            raise ValueError(f"{num_devices} devices do not divide into mesh {sizes}")
+        sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
         raise ValueError(
             f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-            f"have {len(devices)}"
+            f"have {num_devices}"
         )
+    return dict(zip(MESH_AXES, sizes))
+
+
+def make_mesh(
+    shape: Mapping[str, int] | Sequence[int] | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Mesh over (data, fsdp, tensor). One size may be -1 (all remaining devices)."""
+    devices = list(devices if devices is not None else jax.devices())
+    sizes = tuple(mesh_shape(shape, len(devices)).values())
     # Auto axes: GSPMD propagation with sharding constraints (jax 0.10 defaults to Explicit).
-    return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
 def _mesh_axis_size(mesh: Mesh, axis) -> int:

@@ -152,6 +152,7 @@ class Run:
         self.mesh = sharding_lib.make_mesh(dict(config.mesh))
         self.cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
         self.stop_ids = experiment.stop_ids(config, self.tokenizer)
+        self.rollout_cfg = _with_stop_ids(config.rollout, self.stop_ids)
         self.train_examples, self.test_examples = experiment.load_examples(config.task)
         self.reward_fn = rewards_lib.get_reward(config.task.reward)
         self.sample_sh = sharding_lib.param_shardings(self.cfg, self.mesh, "sample")
@@ -313,18 +314,17 @@ class Run:
         self.save(step, force=True)
 
     def rl_step(self, step: int) -> dict:
-        cfg_r, t = self.config.rollout, self.config.train
+        t = self.config.train
         t0 = time.perf_counter()
         self._step_start = (self.batcher.state(), int(self.state.step))
         version, params_b = self.history.behaviour()
-        rcfg = _with_stop_ids(cfg_r, self.stop_ids)
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
         rollout, metrics = rollout_lib.collect(
             rollout_lib.PolicySource(self.cfg, params_b, version),
             next(self.batcher),
             self.tokenizer,
             self.reward_fn,
-            rcfg,
+            self.rollout_cfg,
             rng,
             external=self.external,
         )
