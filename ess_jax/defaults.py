@@ -77,6 +77,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.behaviour_weight_cap = placeholder(float)
     c.objective.beta_kl = 0.0
     c.objective.beta_ent = 0.0
+    c.objective.p3o_drop_kl = False  # ablation: P3O without its (1 - ESS) KL term ("cap only")
+    c.objective.p3o_drop_cap = False  # ablation: P3O weighting by sg(rho), no cap ("KL only")
+    c.objective.is_level = "token"  # grpo_tis / grpo_mis: token | sequence behaviour weight
+    c.objective.is_cap = 2.0  # TIS truncation C (MIS: upper edge of the kept band)
+    c.objective.is_cap_low = 0.0  # MIS: lower edge of the kept band
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-5
@@ -94,6 +99,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.num_microbatches = 1
     c.train.checkpoint_every = 50
     c.train.keep_checkpoints = 2
+    # Write the final params (and tokenizer) as a Hugging Face checkpoint to <workdir>/hf: an SFT
+    # warm start shared by many RL runs (model.source=<workdir>/hf), or an external model.
+    c.train.export_hf = False
 
     c.sft = ml_collections.ConfigDict()
     c.sft.steps = 0  # supervised warm start on demonstrations before RL

@@ -43,6 +43,7 @@ Metrics = dict[str, jax.Array]
 SCOPES = ("step", "microbatch")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 DUAL_VERSIONS = ("two_kl", "mixture")
+IS_LEVELS = ("token", "sequence")
 STAT_KEYS = ("ess", "ess_prox", "num_tokens", "num_seqs")
 METRIC_KEYS = (
     "ess",
@@ -80,6 +81,16 @@ class ObjectiveConfig:
     behaviour_weight_cap: float | None = None  # decoupled_ppo: cap on pi_prox / pi_b
     beta_kl: float = 0.0  # KL to frozen reference (needs batch["ref_logp"])
     beta_ent: float = 0.0  # entropy bonus (batch["entropy"] if given, else proxy -logp)
+    # P3O taken apart (ablations, PAPER.md): "cap only" drops the (1 - ESS) KL term; "KL only"
+    # weights the score function by sg(rho) instead of sg(min(rho, ESS)). Off by default.
+    p3o_drop_kl: bool = False
+    p3o_drop_cap: bool = False
+    # grpo_tis / grpo_mis: behaviour weight w = pi_old / pi_b, token- or sequence-level;
+    # TIS multiplies the loss by min(w, is_cap); MIS masks tokens (sequences) with w outside
+    # [is_cap_low, is_cap].
+    is_level: str = "token"
+    is_cap: float = 2.0
+    is_cap_low: float = 0.0
 
     def __post_init__(self):
         choices = {
@@ -89,6 +100,7 @@ class ObjectiveConfig:
             "ref_kl_estimator": KL_ESTIMATORS,
             "aggregation": AGGREGATIONS,
             "dual_version": DUAL_VERSIONS,
+            "is_level": IS_LEVELS,
         }
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
@@ -99,6 +111,13 @@ class ObjectiveConfig:
             raise ValueError("clip_eps_low and clip_eps_high must be >= 0")
         if self.behaviour_weight_cap is not None and self.behaviour_weight_cap <= 0:
             raise ValueError(f"behaviour_weight_cap must be > 0, got {self.behaviour_weight_cap}")
+        if (self.p3o_drop_kl or self.p3o_drop_cap) and self.name != "p3o":
+            raise ValueError(f"p3o_drop_kl / p3o_drop_cap apply to p3o only, not {self.name!r}")
+        if not 0.0 <= self.is_cap_low < self.is_cap:
+            raise ValueError(
+                f"need 0 <= is_cap_low < is_cap, got is_cap_low={self.is_cap_low}, "
+                f"is_cap={self.is_cap}"
+            )
 
     @classmethod
     def from_dict(cls, d: Any) -> ObjectiveConfig:
@@ -250,9 +269,12 @@ def p3o(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax
     """-sg(min(rho, e)) logp A + (1 - e) KL(pi || pi_b): PAPER.md, no hyper-parameters."""
     c = _prepare(logp_BxT, batch, config)
     ess = c.stats["ess"]
-    pg = -jax.lax.stop_gradient(jnp.minimum(c.rho, ess)) * c.logp * c.adv
+    weight = c.rho if config.p3o_drop_cap else jnp.minimum(c.rho, ess)
+    pg = -jax.lax.stop_gradient(weight) * c.logp * c.adv
+    kl_w = 0.0 if config.p3o_drop_kl else 1.0 - ess
     kl = get_kl_estimator(config.kl_estimator)(c.logp, c.blogp)
-    return _finish(c, batch, config, pg + (1.0 - ess) * kl, pg, c.rho > ess)
+    capped = jnp.zeros_like(c.mask) if config.p3o_drop_cap else c.rho > ess
+    return _finish(c, batch, config, pg + kl_w * kl, pg, capped)
 
 
 def p3o_dual(
@@ -341,6 +363,49 @@ def decoupled_ppo(
     return _finish(c, batch, config, pg, pg, capped, extras)
 
 
+def _truncated_is(logp_BxT, batch, config, masked: bool):
+    """GRPO's clip against pi_old (the trainer's re-score before the first update, batch
+    "prox_logp") times the stop-gradient behaviour weight w = pi_old / pi_b: truncated at
+    is_cap (TIS) or masked outside [is_cap_low, is_cap] (MIS); per token or per sequence
+    (w = prod_t over the sequence, computed in log space)."""
+    c = _prepare(logp_BxT, batch, config)
+    old = _aux(batch, "prox_logp", c.mask, config.name)
+    log_w = (old - c.blogp) * c.maskf
+    if config.is_level == "sequence":
+        log_w = _seq_sum(log_w, batch.get("seq_ids"))
+    log_cap = jnp.log(config.is_cap)
+    if masked:
+        low = jnp.log(config.is_cap_low) if config.is_cap_low > 0 else -jnp.inf
+        outside = (log_w > log_cap) | (log_w < low)
+        weight = jnp.where(outside, 0.0, jnp.exp(jnp.minimum(log_w, log_cap)))
+    else:
+        outside = log_w > log_cap
+        weight = jnp.exp(jnp.minimum(log_w, log_cap))
+    weight = jax.lax.stop_gradient(jnp.where(c.mask, weight, 0.0))
+    clip_loss, capped = _ppo_clip(jnp.exp(c.logp - old), c.adv, config)
+    pg = weight * clip_loss
+    extras = {
+        "ess_prox": c.stats["ess_prox"],
+        "behaviour_weight_mean": jnp.sum(c.metric_w * weight),
+        "behaviour_capped_frac": jnp.sum(c.metric_w * (outside & c.mask)),
+    }
+    return _finish(c, batch, config, pg, pg, capped, extras)
+
+
+def grpo_tis(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """GRPO with truncated importance sampling: -min(w, C) min(r A, clip(r) A), r = pi / pi_old."""
+    return _truncated_is(logp_BxT, batch, config, masked=False)
+
+
+def grpo_mis(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """GRPO with masked importance sampling: tokens (sequences) whose w leaves the band drop out."""
+    return _truncated_is(logp_BxT, batch, config, masked=True)
+
+
 def reinforce(
     logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
 ) -> tuple[jax.Array, Metrics]:
@@ -360,104 +425,16 @@ OBJECTIVES: dict[str, Objective] = {
     "gspo": gspo,
     "gspo_token": gspo_token,
     "decoupled_ppo": decoupled_ppo,
+    "grpo_tis": grpo_tis,
+    "grpo_mis": grpo_mis,
     "reinforce": reinforce,
 }
+# Objectives whose batch needs "prox_logp": the policy re-scored by the trainer before the
+# first update on a rollout batch (the proximal anchor / pi_old).
+NEEDS_PROX = frozenset({"p3o_dual", "decoupled_ppo", "grpo_tis", "grpo_mis"})
 
 
 def get_objective(name: str) -> Objective:
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; valid: {sorted(OBJECTIVES)}")
     return OBJECTIVES[name]
-
-
-# ------------------------------------------------------------- step-scope accumulation
-
-
-def combine_metrics(metrics_M: Metrics, ess_scope: str) -> Metrics:
-    """Reduce metrics stacked over micro-batches (leading axis M) to step metrics.
-
-    "step": token means were divided by the global token count, so they add up; ESS values are
-    shared (mean); ratio_max is a max. "microbatch": every micro-batch normalised locally, so
-    the reference-code mean over micro-batches is taken (ratio_max still a max).
-    """
-    out = {}
-    for key, value in metrics_M.items():
-        if key in _MAX_METRICS:
-            out[key] = jnp.max(value, axis=0)
-        elif ess_scope == "step" and key not in _CONST_METRICS:
-            out[key] = jnp.sum(value, axis=0)
-        else:
-            out[key] = jnp.mean(value, axis=0)
-    return out
-
-
-def _split(x: jax.Array, m: int) -> jax.Array:
-    # Strided micro-batches (rows m, m + M, ...): with the batch sharded over "data", every
-    # micro-batch keeps rows on every device, so no resharding happens inside the scan.
-    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-
-
-def _merge(x_M: jax.Array) -> jax.Array:
-    return x_M.swapaxes(0, 1).reshape(-1, *x_M.shape[2:])
-
-
-def step_loss_and_grad(
-    logp_fn: Callable[[Any, Batch], Any],
-    params: Any,
-    batch: Batch,
-    config: ObjectiveConfig,
-    num_microbatches: int = 1,
-) -> tuple[jax.Array, Any, Metrics]:
-    """Loss, gradient and metrics of one optimizer batch, accumulated over micro-batches.
-
-    `logp_fn(params, micro_batch)` returns logp_BxT (float32), or (logp_BxT, extras) whose
-    extras (e.g. "entropy" [B, T]) are added to the micro-batch. Arrays of `batch` with a
-    leading batch axis are split; scalars are shared. ess_scope "step": a no-grad statistics
-    pass over all micro-batches fixes ess / ess_prox / num_tokens / num_seqs (caller-supplied
-    ones win), then a lax.scan sums the micro-batch losses and gradients. "microbatch": each
-    micro-batch uses its own statistics and the results are averaged (reference code).
-    """
-    objective = get_objective(config.name)
-    m = num_microbatches
-    batch_size = batch["mask"].shape[0]
-    if m < 1 or batch_size % m:
-        raise ValueError(f"batch size {batch_size} is not divisible by num_microbatches={m}")
-    step_scope = config.ess_scope == "step"
-
-    def loss_fn(p, mb):
-        out = logp_fn(p, mb)
-        logp, extras = out if isinstance(out, tuple) else (out, {})
-        return objective(logp, {**mb, **extras}, config)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    shared = {k: v for k, v in batch.items() if jnp.ndim(v) == 0}
-    if not step_scope:
-        shared = {k: v for k, v in shared.items() if k not in STAT_KEYS}
-    rows = {k: v for k, v in batch.items() if jnp.ndim(v) > 0}
-    if m == 1:  # one micro-batch: the objective's own statistics are the step's
-        (loss, metrics), grads = grad_fn(params, {**rows, **shared})
-        return loss, grads, metrics
-
-    micro = {k: _split(v, m) for k, v in rows.items()}
-    needed = ("ess", "num_tokens", "num_seqs") + (("ess_prox",) if "prox_logp" in batch else ())
-    if step_scope and not all(k in shared for k in needed):
-        frozen = jax.lax.stop_gradient(params)
-
-        def stats_pass(_, mb):
-            out = logp_fn(frozen, {**mb, **shared})
-            return None, (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
-
-        _, logp_MxBxT = jax.lax.scan(stats_pass, None, micro)
-        shared = {**step_statistics(_merge(logp_MxBxT), rows), **shared}
-
-    def accumulate(grads_acc, mb):
-        (loss, metrics), grads = grad_fn(params, {**mb, **shared})
-        # Accumulate in float32 even for low-precision params: M partial sums lose bits.
-        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-        return grads_acc, (loss, metrics)
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    grads, (loss_M, metrics_M) = jax.lax.scan(accumulate, zeros, micro)
-    scale = 1.0 if step_scope else 1.0 / m
-    grads = jax.tree.map(lambda g, p: (g * scale).astype(jnp.result_type(p)), grads, params)
-    return jnp.sum(loss_M) * scale, grads, combine_metrics(metrics_M, config.ess_scope)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import time
 
 import jax
@@ -18,8 +19,8 @@ import optax
 from flax import struct
 from tqdm import tqdm
 
+from ess_jax import accumulate, experiment
 from ess_jax import evaluate as eval_lib
-from ess_jax import experiment
 from ess_jax import model as model_lib
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
@@ -32,8 +33,6 @@ from ess_jax.metrics import MetricsWriter, plot_run, progress_postfix
 from ess_jax.optim import learning_rate_schedule, make_optimizer
 
 MAX_NONFINITE_IN_A_ROW = 3
-# Objectives whose loss needs the proximal snapshot (policy before the first update on a batch).
-NEEDS_PROX = ("p3o_dual", "decoupled_ppo")
 
 
 @struct.dataclass
@@ -115,7 +114,7 @@ def make_rl_step(cfg, tx, obj_cfg, num_microbatches, prompt_len, state_sh, batch
     logp_fn = _logp_fn(cfg, prompt_len)
 
     def step(state, batch):
-        loss, grads, metrics = obj_lib.step_loss_and_grad(
+        loss, grads, metrics = accumulate.step_loss_and_grad(
             logp_fn, state.params, batch, obj_cfg, num_microbatches
         )
         state, grad_norm, ok = _apply_update(state, tx, loss, grads)
@@ -288,6 +287,22 @@ class Run:
             buckets=tuple(self.config.data.buckets),
         )
 
+    def export_hf(self) -> str:
+        """The current params and tokenizer as a Hugging Face checkpoint in <workdir>/hf, written
+        to a temporary directory first so a reader never sees a half-written one."""
+        from ess_jax import weights
+
+        path = os.path.join(self.workdir, "hf")
+        tmp = path + ".tmp"
+        if jax.process_index() == 0 and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        weights.save_hf(self.cfg, self.state.params, tmp, tokenizer=self.tokenizer)
+        if jax.process_index() == 0:
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        return path
+
     def save_on_interrupt(self, step: int) -> None:
         """Ctrl-C: save what can be saved without losing or corrupting anything.
 
@@ -333,7 +348,9 @@ class Run:
         per = rollout.num_sequences // n_upd
         batch = sharding_lib.shard_batch(rollout_to_batch(rollout), self.mesh)
         score = _score_fn(self.cfg, rollout.prompt_len)
-        if self.obj_cfg.name in NEEDS_PROX:  # snapshot before the first update on this batch
+        if (
+            self.obj_cfg.name in obj_lib.NEEDS_PROX
+        ):  # snapshot before the first update on this batch
             batch["prox_logp"] = score(self.state.params, batch)
         if self.ref_params is not None:
             batch["ref_logp"] = score(self.ref_params, batch)
@@ -404,6 +421,8 @@ class Run:
             if self.config.eval.every:
                 writer.write({"step": step, **self.evaluate(step)})
             self.save(step, force=True)
+            if t.export_hf:
+                self.export_hf()
         except KeyboardInterrupt:
             self.save_on_interrupt(step)
             raise

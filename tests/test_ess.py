@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ess_jax import accumulate as A
 from ess_jax import objectives as O
 
 L = 16  # every example is padded to one shape so the jitted ESS compiles once
@@ -158,7 +159,7 @@ def _step(cfg, m, seed=0, devices=1):
         batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
         assert len(batch["mask"].sharding.device_set) == devices
         params = jax.device_put(params, NamedSharding(mesh, P()))
-    fn = jax.jit(lambda p, b: O.step_loss_and_grad(_logp_fn, p, b, cfg, m))
+    fn = jax.jit(lambda p, b: A.step_loss_and_grad(_logp_fn, p, b, cfg, m))
     loss, grads, metrics = fn(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
 
@@ -209,4 +210,4 @@ def test_microbatch_scope_depends_on_the_split():
 def test_step_scope_rejects_uneven_split():
     params, batch = _policy_batch()
     with pytest.raises(ValueError, match="divisible"):
-        O.step_loss_and_grad(_logp_fn, params, batch, O.ObjectiveConfig(), 3)
+        A.step_loss_and_grad(_logp_fn, params, batch, O.ObjectiveConfig(), 3)

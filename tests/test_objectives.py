@@ -10,6 +10,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from ess_jax import accumulate as A
 from ess_jax import objectives as O
 from ess_jax.kl import K3_EXP_CLAMP
 
@@ -360,7 +361,7 @@ def test_step_loss_passes_logp_fn_extras():
     batch.update(logp_fn.data)
     fn = lambda w_, mb: (logp_fn(w_, mb["x"], mb["tokens"]), {"entropy": mb["ent"] * jnp.sum(w_)})
     cfg = O.ObjectiveConfig(beta_ent=0.3)
-    loss, grads, metrics = jax.jit(lambda w_: O.step_loss_and_grad(fn, w_, batch, cfg, 2))(w)
+    loss, grads, metrics = jax.jit(lambda w_: A.step_loss_and_grad(fn, w_, batch, cfg, 2))(w)
     plain = jax.jit(lambda w_: O.p3o(logp_fn(w_), batch, O.ObjectiveConfig())[0])(w)
     bonus = 0.3 * np.sum(entropy * mask) * float(np.sum(w)) / mask.sum()
     assert float(loss) == pytest.approx(float(plain) - bonus, rel=1e-5)
@@ -370,13 +371,13 @@ def test_step_loss_passes_logp_fn_extras():
 def test_combine_metrics():
     stacked = {"ess": jnp.array([0.5, 0.5]), "ratio_max": jnp.array([2.0, 3.0])}
     stacked["ratio_mean"] = jnp.array([0.25, 0.75])
-    step = O.combine_metrics(stacked, "step")
+    step = A.combine_metrics(stacked, "step")
     assert (float(step["ess"]), float(step["ratio_max"]), float(step["ratio_mean"])) == (
         0.5,
         3.0,
         1.0,
     )
-    assert float(O.combine_metrics(stacked, "microbatch")["ratio_mean"]) == 0.5
+    assert float(A.combine_metrics(stacked, "microbatch")["ratio_mean"]) == 0.5
 
 
 # ------------------------------------------------------------------ degenerate batches
@@ -416,6 +417,6 @@ def test_degenerate_batch_through_microbatch_accumulation():
     batch = {"behaviour_logp": np.asarray(logp_fn(w)), "advantages": adv, "mask": mask * False}
     for scope in ("step", "microbatch"):
         cfg = O.ObjectiveConfig(ess_scope=scope)
-        step = lambda w_, c=cfg: O.step_loss_and_grad(lambda p, mb: logp_fn(p), w_, batch, c, 1)
+        step = lambda w_, c=cfg: A.step_loss_and_grad(lambda p, mb: logp_fn(p), w_, batch, c, 1)
         loss, grads, _ = jax.jit(step)(w)
         assert float(loss) == 0.0 and np.all(np.asarray(grads) == 0.0)

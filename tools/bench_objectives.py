@@ -22,6 +22,7 @@ import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from ess_jax import accumulate  # noqa: E402
 from ess_jax import objectives as obj_lib  # noqa: E402
 from ess_jax.advantages import broadcast_to_tokens, group_advantages  # noqa: E402
 
@@ -62,7 +63,7 @@ def make_batch(params, batch: int, seq: int, vocab: int, group: int = 4, seed: i
 
 def make_train_step(tx, cfg: obj_lib.ObjectiveConfig, num_microbatches: int):
     def train_step(params, opt_state, batch):
-        loss, grads, metrics = obj_lib.step_loss_and_grad(
+        loss, grads, metrics = accumulate.step_loss_and_grad(
             logp_fn, params, batch, cfg, num_microbatches
         )
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -1,0 +1,201 @@
+"""Runs the CPU-scale ablations (configs/mini/): experiments x arms x seeds, resumable.
+
+    python experiments/reproduce.py --seeds 0 1 2 --jobs 2            # every experiment
+    python experiments/reproduce.py --experiments e1_clip_sweep --arms p3o --seeds 0
+    python experiments/reproduce.py --list                            # what would run
+
+Each seed's SFT warm start (configs/mini/warm_start.py, and its external model for E7) runs
+once and is shared by every arm of that seed. Every run is its own `python -m ess_jax.main`
+process with a log in <runs>/logs/; a killed sweep resumes where it was: runs whose results
+are in <results> are skipped, unfinished ones resume from their own checkpoints. When a run
+finishes, its metrics.jsonl and a command.txt (the exact commands that reproduce it from a
+fresh clone, `{workdir}` standing for any empty directory) go to
+<results>/<experiment>/<arm>/<seed>/. `experiments/analyze.py <results>` makes the tables.
+
+Runs are deterministic on the CPU: every process uses one XLA thread (XLA_FLAGS below), so two
+jobs use two cores without competing, and a rerun of the command gives the same metrics
+(timing fields aside, see analyze.TIMING_KEYS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# Experiments in the order they run (each completes all its seeds before the next starts).
+EXPERIMENTS = (
+    "e1_clip_sweep",
+    "e3_temperature_1p2",
+    "e5_fp8",
+    "e4_temperature_0p6",
+    "e3b_temperature_1p5",
+    "e7_external",
+    "e8_dual_anchor",
+    "async_lag",
+)
+NEEDS_EXTERNAL = ("e7_external",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    experiment: str  # configs/mini/<experiment>.py, or "warm" for a warm start
+    arm: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.experiment}__{self.arm}__{self.seed}"
+
+
+def arms_of(experiment: str) -> tuple[str, ...]:
+    if experiment not in EXPERIMENTS:
+        raise SystemExit(f"unknown experiment {experiment!r}; valid: {', '.join(EXPERIMENTS)}")
+    sys.path.insert(0, ROOT)
+    return importlib.import_module(f"configs.mini.{experiment}").ARMS
+
+
+def main_args(job: Job, workdir: str, warm_root: str) -> list[str]:
+    """Arguments of `python -m ess_jax.main` for a job (paths as given)."""
+    if job.experiment == "warm":
+        cfg = f"configs/mini/warm_start.py:{job.arm}"
+        return [f"--config={cfg}", f"--config.seed={job.seed}", f"--workdir={workdir}"]
+    args = [
+        f"--config=configs/mini/{job.experiment}.py:{job.arm}",
+        f"--config.seed={job.seed}",
+        f"--config.model.source={warm_dir(warm_root, 'policy', job.seed)}/hf",
+    ]
+    if job.experiment in NEEDS_EXTERNAL:
+        ext = warm_dir(warm_root, "external", job.seed)
+        args.append(f"--config.rollout.external_checkpoint={ext}/hf")
+    return [*args, f"--workdir={workdir}"]
+
+
+def warm_dir(warm_root: str, kind: str, seed: int) -> str:
+    return os.path.join(warm_root, kind, f"seed{seed}")
+
+
+def warm_jobs(job: Job) -> list[Job]:
+    kinds = ["policy"] + (["external"] if job.experiment in NEEDS_EXTERNAL else [])
+    return [Job("warm", kind, job.seed) for kind in kinds]
+
+
+def command_txt(job: Job) -> str:
+    """The commands that reproduce `job`'s metrics from a fresh clone (README install first)."""
+    py = ".venv/bin/python -m ess_jax.main"
+    lines = [
+        "# From the root of a fresh clone after `bash tools/install.sh`; {workdir}: an empty dir.",
+        "# The metrics land in {workdir}/run/metrics.jsonl (timing fields differ run to run).",
+        f'export XLA_FLAGS="{XLA_FLAGS}"',
+    ]
+    for w in warm_jobs(job):
+        lines.append(" ".join([py, *main_args(w, warm_dir("{workdir}/warm", w.arm, w.seed), "")]))
+    lines.append(" ".join([py, *main_args(job, "{workdir}/run", "{workdir}/warm")]))
+    return "\n".join(lines) + "\n"
+
+
+def result_dir(results: str, job: Job) -> str:
+    return os.path.join(results, job.experiment, job.arm, str(job.seed))
+
+
+def run_job(job: Job, runs: str, log_dir: str) -> tuple[Job, int, float]:
+    """Runs (or resumes) one job in its own process; returns (job, exit code, seconds)."""
+    if job.experiment == "warm":
+        workdir = warm_dir(os.path.join(runs, "warm"), job.arm, job.seed)
+    else:
+        workdir = os.path.join(runs, job.experiment, job.arm, str(job.seed))
+    cmd = [sys.executable, "-m", "ess_jax.main", *main_args(job, workdir, f"{runs}/warm")]
+    env = {**os.environ, "XLA_FLAGS": XLA_FLAGS}
+    t0 = time.time()
+    with open(os.path.join(log_dir, job.name + ".log"), "a") as log:
+        log.write("+ " + " ".join(cmd) + "\n")
+        log.flush()
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    return job, rc, time.time() - t0
+
+
+def collect(job: Job, runs: str, results: str) -> None:
+    """Copies a finished run's small files to <results>/<experiment>/<arm>/<seed>/."""
+    src = os.path.join(runs, job.experiment, job.arm, str(job.seed), "metrics.jsonl")
+    dst = result_dir(results, job)
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(dst, "command.txt"), "w") as f:
+        f.write(command_txt(job))
+    shutil.copyfile(src, os.path.join(dst, "metrics.jsonl.tmp"))
+    os.replace(os.path.join(dst, "metrics.jsonl.tmp"), os.path.join(dst, "metrics.jsonl"))
+
+
+def warm_done(runs: str, job: Job) -> bool:
+    hf = warm_dir(os.path.join(runs, "warm"), job.arm, job.seed)
+    return os.path.exists(os.path.join(hf, "hf", "config.json"))
+
+
+def plan(experiments, arms, seeds, results) -> list[Job]:
+    jobs = []
+    for exp in experiments:
+        exp_arms = arms_of(exp)
+        unknown = sorted(set(arms or ()) - set(exp_arms)) if arms and len(experiments) == 1 else []
+        if unknown:
+            raise SystemExit(f"{exp}: unknown arms {unknown}; valid: {', '.join(exp_arms)}")
+        for seed in seeds:
+            for arm in exp_arms:
+                if arms and arm not in arms:
+                    continue
+                job = Job(exp, arm, seed)
+                if not os.path.exists(os.path.join(result_dir(results, job), "metrics.jsonl")):
+                    jobs.append(job)
+    return jobs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experiments", nargs="+", default=list(EXPERIMENTS))
+    ap.add_argument("--arms", nargs="+", default=None, help="only these arms")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
+    ap.add_argument("--runs", default="runs/mini", help="workdirs and logs")
+    ap.add_argument("--results", default="results", help="where finished runs' files go")
+    ap.add_argument("--list", action="store_true", help="print the plan and exit")
+    args = ap.parse_args()
+    runs, results = os.path.abspath(args.runs), os.path.abspath(args.results)
+    experiments = [e.strip() for x in args.experiments for e in x.split(",") if e.strip()]
+    jobs = plan(experiments, args.arms, args.seeds, results)
+    warm = sorted({w for j in jobs for w in warm_jobs(j)}, key=lambda w: (w.seed, w.arm))
+    warm = [w for w in warm if not warm_done(runs, w)]
+    print(f"{len(warm)} warm starts and {len(jobs)} runs to go ({args.jobs} at a time)")
+    if args.list:
+        for j in warm + jobs:
+            print(" ", j.name)
+        return
+    log_dir = os.path.join(runs, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    failed = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for batch in (warm, jobs):
+            futures = [pool.submit(run_job, j, runs, log_dir) for j in batch]
+            for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+                job, rc, secs = fut.result()
+                status = "ok" if rc == 0 else f"FAILED (exit {rc})"
+                print(f"[{n}/{len(batch)}] {job.name}: {status} in {secs:.0f}s", flush=True)
+                if rc:
+                    failed.append(job)
+                elif job.experiment != "warm":
+                    collect(job, runs, results)
+            if failed:
+                break  # an RL run without its warm start would fail the same way
+    if failed:
+        names = ", ".join(j.name for j in failed)
+        raise SystemExit(f"{len(failed)} runs failed: {names}; logs in {log_dir}")
+    print(f"done; tables: python experiments/analyze.py {os.path.relpath(results, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
