@@ -23,10 +23,12 @@ import argparse
 import concurrent.futures
 import dataclasses
 import importlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,11 +65,16 @@ def arms_of(experiment: str) -> tuple[str, ...]:
     return importlib.import_module(f"configs.mini.{experiment}").ARMS
 
 
-def main_args(job: Job, workdir: str, warm_root: str) -> list[str]:
-    """Arguments of `python -m ess_jax.main` for a job (paths as given)."""
+def main_args(job: Job, workdir: str, warm_root: str, sets: tuple[str, ...] = ()) -> list[str]:
+    """Arguments of `python -m ess_jax.main` for a job (paths as given). `sets` are extra config
+    overrides: KEY=VALUE for the RL runs, warm:KEY=VALUE for the warm starts."""
+    is_warm = job.experiment == "warm"
+    extra = [
+        f"--config.{kv.removeprefix('warm:')}" for kv in sets if kv.startswith("warm:") == is_warm
+    ]
     if job.experiment == "warm":
         cfg = f"configs/mini/warm_start.py:{job.arm}"
-        return [f"--config={cfg}", f"--config.seed={job.seed}", f"--workdir={workdir}"]
+        return [f"--config={cfg}", f"--config.seed={job.seed}", *extra, f"--workdir={workdir}"]
     args = [
         f"--config=configs/mini/{job.experiment}.py:{job.arm}",
         f"--config.seed={job.seed}",
@@ -76,7 +83,7 @@ def main_args(job: Job, workdir: str, warm_root: str) -> list[str]:
     if job.experiment in NEEDS_EXTERNAL:
         ext = warm_dir(warm_root, "external", job.seed)
         args.append(f"--config.rollout.external_checkpoint={ext}/hf")
-    return [*args, f"--workdir={workdir}"]
+    return [*args, *extra, f"--workdir={workdir}"]
 
 
 def warm_dir(warm_root: str, kind: str, seed: int) -> str:
@@ -88,7 +95,7 @@ def warm_jobs(job: Job) -> list[Job]:
     return [Job("warm", kind, job.seed) for kind in kinds]
 
 
-def command_txt(job: Job) -> str:
+def command_txt(job: Job, sets: tuple[str, ...] = ()) -> str:
     """The commands that reproduce `job`'s metrics from a fresh clone (README install first)."""
     py = ".venv/bin/python -m ess_jax.main"
     lines = [
@@ -97,8 +104,9 @@ def command_txt(job: Job) -> str:
         f'export XLA_FLAGS="{XLA_FLAGS}"',
     ]
     for w in warm_jobs(job):
-        lines.append(" ".join([py, *main_args(w, warm_dir("{workdir}/warm", w.arm, w.seed), "")]))
-    lines.append(" ".join([py, *main_args(job, "{workdir}/run", "{workdir}/warm")]))
+        wd = warm_dir("{workdir}/warm", w.arm, w.seed)
+        lines.append(" ".join([py, *main_args(w, wd, "", sets)]))
+    lines.append(" ".join([py, *main_args(job, "{workdir}/run", "{workdir}/warm", sets)]))
     return "\n".join(lines) + "\n"
 
 
@@ -106,13 +114,14 @@ def result_dir(results: str, job: Job) -> str:
     return os.path.join(results, job.experiment, job.arm, str(job.seed))
 
 
-def run_job(job: Job, runs: str, log_dir: str) -> tuple[Job, int, float]:
+def run_job(job: Job, runs: str, log_dir: str, sets=()) -> tuple[Job, int, float]:
     """Runs (or resumes) one job in its own process; returns (job, exit code, seconds)."""
     if job.experiment == "warm":
         workdir = warm_dir(os.path.join(runs, "warm"), job.arm, job.seed)
     else:
         workdir = os.path.join(runs, job.experiment, job.arm, str(job.seed))
-    cmd = [sys.executable, "-m", "ess_jax.main", *main_args(job, workdir, f"{runs}/warm")]
+    args = main_args(job, workdir, f"{runs}/warm", sets)
+    cmd = [sys.executable, "-m", "ess_jax.main", *args]
     env = {**os.environ, "XLA_FLAGS": XLA_FLAGS}
     t0 = time.time()
     with open(os.path.join(log_dir, job.name + ".log"), "a") as log:
@@ -122,13 +131,13 @@ def run_job(job: Job, runs: str, log_dir: str) -> tuple[Job, int, float]:
     return job, rc, time.time() - t0
 
 
-def collect(job: Job, runs: str, results: str) -> None:
+def collect(job: Job, runs: str, results: str, sets=()) -> None:
     """Copies a finished run's small files to <results>/<experiment>/<arm>/<seed>/."""
     src = os.path.join(runs, job.experiment, job.arm, str(job.seed), "metrics.jsonl")
     dst = result_dir(results, job)
     os.makedirs(dst, exist_ok=True)
     with open(os.path.join(dst, "command.txt"), "w") as f:
-        f.write(command_txt(job))
+        f.write(command_txt(job, sets))
     shutil.copyfile(src, os.path.join(dst, "metrics.jsonl.tmp"))
     os.replace(os.path.join(dst, "metrics.jsonl.tmp"), os.path.join(dst, "metrics.jsonl"))
 
@@ -155,6 +164,34 @@ def plan(experiments, arms, seeds, results) -> list[Job]:
     return jobs
 
 
+def deterministic_rows(path: str) -> list[dict]:
+    """A metrics.jsonl's rows without the timing fields (they differ between identical runs)."""
+    timing = ("tokens_per_s", "sample_s", "step_s")
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return [{k: v for k, v in r.items() if k not in timing} for r in rows]
+
+
+def check(result: str) -> int:
+    """Reruns <result>/command.txt in a fresh temporary workdir; 0 if the metrics match."""
+    template = open(os.path.join(result, "command.txt")).read()
+    with tempfile.TemporaryDirectory(prefix="ess_check_") as tmp:
+        script = template.replace("{workdir}", tmp).replace(".venv/bin/python", sys.executable)
+        print(f"rerunning {result} in {tmp}", flush=True)
+        subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, check=True)
+        new = deterministic_rows(os.path.join(tmp, "run", "metrics.jsonl"))
+    old = deterministic_rows(os.path.join(result, "metrics.jsonl"))
+    if new == old:
+        print(f"same metrics: {len(old)} rows equal (timing fields aside)")
+        return 0
+    diff = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    print(
+        f"DIFFERENT: {len(old)} committed rows vs {len(new)} rerun; first difference at row "
+        f"{diff}:\n  committed {old[diff] if diff < len(old) else None}\n"
+        f"  rerun     {new[diff] if diff < len(new) else None}"
+    )
+    return 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experiments", nargs="+", default=list(EXPERIMENTS))
@@ -163,8 +200,29 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
     ap.add_argument("--runs", default="runs/mini", help="workdirs and logs")
     ap.add_argument("--results", default="results", help="where finished runs' files go")
+    ap.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="sets",
+        help="config overrides of the RL runs (e.g. train.steps=20) and, prefixed warm:, of the "
+        "warm starts (warm:sft.steps=100); recorded in command.txt",
+    )
     ap.add_argument("--list", action="store_true", help="print the plan and exit")
+    ap.add_argument(
+        "--check",
+        metavar="RESULT_DIR",
+        help="rerun one committed run from its command.txt in a temporary "
+        "directory and compare its metrics with the committed ones",
+    )
     args = ap.parse_args()
+    if args.check:
+        raise SystemExit(check(args.check))
+    sets = tuple(args.sets)
+    for kv in sets:
+        if "=" not in kv:
+            raise SystemExit(f"--set {kv!r}: expected KEY=VALUE")
     runs, results = os.path.abspath(args.runs), os.path.abspath(args.results)
     experiments = [e.strip() for x in args.experiments for e in x.split(",") if e.strip()]
     jobs = plan(experiments, args.arms, args.seeds, results)
@@ -180,7 +238,7 @@ def main() -> None:
     failed = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         for batch in (warm, jobs):
-            futures = [pool.submit(run_job, j, runs, log_dir) for j in batch]
+            futures = [pool.submit(run_job, j, runs, log_dir, sets) for j in batch]
             for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
                 job, rc, secs = fut.result()
                 status = "ok" if rc == 0 else f"FAILED (exit {rc})"
@@ -188,7 +246,7 @@ def main() -> None:
                 if rc:
                     failed.append(job)
                 elif job.experiment != "warm":
-                    collect(job, runs, results)
+                    collect(job, runs, results, sets)
             if failed:
                 break  # an RL run without its warm start would fail the same way
     if failed:
