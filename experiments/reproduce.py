@@ -114,6 +114,19 @@ def result_dir(results: str, job: Job) -> str:
     return os.path.join(results, job.experiment, job.arm, str(job.seed))
 
 
+def compile_cache_env(runs: str) -> dict[str, str]:
+    """A persistent XLA compilation cache shared by the sweep's runs: most of a short run is
+    compiling the same sampler and step programs; a cached executable computes the same numbers
+    (tests/test_reproduce.py checks a cached run against command.txt run without the cache).
+    The size cap turns on jax's file lock, so two jobs never read a half-written entry."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": os.path.join(runs, "jax_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 * 2**30),
+    }
+
+
 def run_job(job: Job, runs: str, log_dir: str, sets=()) -> tuple[Job, int, float]:
     """Runs (or resumes) one job in its own process; returns (job, exit code, seconds)."""
     if job.experiment == "warm":
@@ -122,7 +135,7 @@ def run_job(job: Job, runs: str, log_dir: str, sets=()) -> tuple[Job, int, float
         workdir = os.path.join(runs, job.experiment, job.arm, str(job.seed))
     args = main_args(job, workdir, f"{runs}/warm", sets)
     cmd = [sys.executable, "-m", "ess_jax.main", *args]
-    env = {**os.environ, "XLA_FLAGS": XLA_FLAGS}
+    env = {**os.environ, "XLA_FLAGS": XLA_FLAGS, **compile_cache_env(runs)}
     t0 = time.time()
     with open(os.path.join(log_dir, job.name + ".log"), "a") as log:
         log.write("+ " + " ".join(cmd) + "\n")
