@@ -38,7 +38,25 @@ QWEN3_4B = model.ModelConfig(
     family="qwen3",
     dtype="bfloat16",
 )
-KNOWN_MODELS = {"Qwen3-4B-Thinking-2507": QWEN3_4B}
+KNOWN_MODELS = {
+    "Qwen3-4B-Thinking-2507": QWEN3_4B,
+    "Qwen3-8B": QWEN3_4B.replace(
+        hidden_size=4096, intermediate_size=12288, rope_theta=1e6, tie_embeddings=False
+    ),
+    "Qwen2.5-1.5B": model.ModelConfig(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+        rope_theta=1e6,
+        tie_embeddings=True,
+        qkv_bias=True,
+        family="qwen2",
+    ),
+}
 
 
 def load_module(path):
@@ -50,11 +68,22 @@ def load_module(path):
 
 
 def config_args(mod) -> list:
-    """Every arm a file offers: ARMS, plus `tiny` when its docstring promises `:tiny`."""
-    args = list(getattr(mod, "ARMS", (None,)))
-    if ":tiny" in mod.__doc__:
-        args.append("tiny")
-    return args
+    """Every arm a file offers: ARMS (each also as `ARM,tiny`), or None plus `tiny` when the
+    docstring promises `:tiny`."""
+    if hasattr(mod, "ARMS"):
+        return [a + s for a in mod.ARMS for s in ("", ",tiny")]
+    return [None] + (["tiny"] if ":tiny" in mod.__doc__ else [])
+
+
+def fake_checkpoint(source: str, tmp_path) -> str:
+    """A directory holding only the config.json of the model `source` names."""
+    if source in ("embedded", "smollm2") or os.path.exists(source):
+        return source
+    name = os.path.basename(source.rstrip("/"))
+    fake = tmp_path / name
+    fake.mkdir(exist_ok=True)
+    (fake / "config.json").write_text(json.dumps(weights.config_to_hf(KNOWN_MODELS[name])))
+    return str(fake)
 
 
 def with_fake_paths(c, tmp_path):
@@ -63,17 +92,13 @@ def with_fake_paths(c, tmp_path):
     if c.task.manual_dir and not os.path.isdir(c.task.manual_dir):
         c.task.manual_dir = str(tmp_path / "data")
         os.makedirs(c.task.manual_dir, exist_ok=True)
+    if c.rollout.external_fraction:
+        c.rollout.external_checkpoint = fake_checkpoint(c.rollout.external_checkpoint, tmp_path)
     source = c.model.source
     if source == "embedded":
         return _embedded_config(c)
-    name = os.path.basename(source.rstrip("/"))
-    cfg = KNOWN_MODELS[name] if source != "smollm2" else None
-    if cfg is not None and not os.path.exists(source):
-        fake = tmp_path / name
-        fake.mkdir(exist_ok=True)
-        (fake / "config.json").write_text(json.dumps(weights.config_to_hf(cfg)))
-        c.model.source = str(fake)
-    return cfg
+    c.model.source = fake_checkpoint(source, tmp_path)
+    return KNOWN_MODELS.get(os.path.basename(source.rstrip("/")))
 
 
 def _embedded_config(c):
@@ -109,10 +134,14 @@ def test_every_config_and_arm_validates_and_shards(path, tmp_path):
                 assert not s.is_fully_replicated, (path, arg, x.shape, s)
 
 
-def test_paper_config_evaluates_on_a_held_out_split():
+def test_paper_configs_evaluate_on_a_held_out_split():
     """Catches: the in-run eval reading DeepScaleR's training prompts (test_split 'train')."""
-    mod = load_module(os.path.join(ROOT, "configs/paper/qwen3_4b_deepscaler.py"))
-    assert mod.get_config().task.test_split != "train"
+    for path in CONFIGS:
+        mod = load_module(path)
+        for arg in config_args(mod):
+            c = mod.get_config(arg)
+            if c.task.manual_dir:
+                assert c.eval.every == 0 or c.task.test_split != "train", (path, arg)
 
 
 @pytest.mark.parametrize("mesh_shape", [{"fsdp": 8}, {"data": 2, "fsdp": 2, "tensor": 2}])

@@ -1,0 +1,94 @@
+"""The paper's setup (PAPER.md, "Experiments"), shared by every configs/paper/ experiment.
+
+Not a config file itself. Setup as the paper states it: Qwen3-4B-Thinking-2507 on DeepScaleR,
+binary math-answer verifier, one optimizer step per rollout batch, lr 1e-5, n = 4 samples per
+prompt, 256 prompts per step, ~35 steps, 4K new tokens, BF16 training compute (float32 masters)
+with a BF16 sampler. Unknown from public sources (left at ess_jax defaults or guesses, per
+file): seeds (seed 0 here), the exact lr / batch per run, ESS scope (step here, micro-batch in
+the reference code), full vs sampled KL (k3 here), the in-run eval set and temperature.
+
+The manual dir holds DeepScaleR as `train.json` (the public `deepscaler.json`, renamed) and a
+held-out `test.jsonl` for the in-run eval: MATH-500 (fields problem / answer). DeepScaleR has
+no test split; evaluating on its training prompts would measure memorisation. The E6 table
+(AIME 2024/2025, AMC 2023, MATH-500) is computed afterwards by tools/evaluate.py.
+
+Arms use the names of configs/mini (the same objectives at CPU scale). An arm may be followed
+by `,tiny`: the same pipeline (DeepScaleR files, math verifier, knobs) with the embedded
+char-level model, 2 steps of 8 prompts and 16 new tokens, a CPU smoke run.
+"""
+
+from __future__ import annotations
+
+from configs.mini.common import OBJECTIVES, with_objective
+from ess_jax.defaults import base_config
+
+__all__ = ["OBJECTIVES", "base", "finish", "parse", "with_objective"]
+
+QWEN3_4B = "/path/to/Qwen3-4B-Thinking-2507"
+QWEN25_1P5B = "/path/to/Qwen2.5-1.5B"
+QWEN3_8B = "/path/to/Qwen3-8B"
+DEEPSCALER = "/path/to/deepscaler"
+PRESETS = ("8xh100", "tiny")
+DEFAULT_PRESET = "8xh100"  # the paper's hardware
+
+
+def parse(arg: str | None, arms: tuple[str, ...]) -> tuple[str, str]:
+    """(arm, preset) from the part after ':' of --config=FILE:ARM[,PRESET]."""
+    arm, _, preset = (arg or "").partition(",")
+    if arm not in arms:
+        raise ValueError(f"unknown arm {arm!r}; this file's arms: {', '.join(arms)}")
+    preset = preset or DEFAULT_PRESET
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    return arm, preset
+
+
+def base(source: str = QWEN3_4B, max_new_tokens: int = 4096):
+    """The paper's main setup with the P3O objective (experiment files override)."""
+    c = base_config()
+    c.model.source = source
+    c.model.dtype = "bfloat16"  # BF16 training compute, float32 masters
+    c.model.logits_chunk = 1024  # never hold [B, 4K+, 151936] float32 logits at once
+    c.task.name = "deepscaler"
+    c.task.reward = "math"
+    c.task.manual_dir = DEEPSCALER
+    c.task.test_split = "test"  # MATH-500 next to DeepScaleR's train.json (see above)
+    c.data.prompts_per_step = 256
+    c.data.buckets = (256, 512, 1024)
+    c.rollout.group_size = 4
+    c.rollout.max_new_tokens = max_new_tokens
+    c.rollout.precision = "bfloat16"
+    c.objective.ess_scope = "step"
+    c.optim.lr = 1e-5
+    c.optim.max_grad_norm = 1.0
+    c.train.steps = 35
+    c.train.num_microbatches = 16
+    c.train.checkpoint_every = 5
+    c.eval.every = 10
+    c.eval.num_examples = 64
+    c.eval.batch_size = 16
+    c.eval.k = 4
+    c.eval.temperature = 0.6  # Qwen3 thinking models' recommended; the paper's is unknown
+    c.eval.max_new_tokens = max_new_tokens
+    return c
+
+
+def finish(c, preset: str):
+    """Applies the hardware preset (mesh and batching) or the CPU `tiny` shrink."""
+    if preset == "tiny":
+        c.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
+        c.model.source = "embedded"
+        c.model.dtype = "float32"
+        c.model.logits_chunk = 0
+        c.data.prompts_per_step = 8  # 32 sequences: divisible by 4 updates x 8 fake devices
+        c.rollout.max_new_tokens = 16
+        if c.rollout.external_fraction:
+            c.rollout.external_checkpoint = "embedded"
+        c.train.steps = 2
+        c.train.num_microbatches = 1
+        c.train.checkpoint_every = 1
+        c.eval.every = 0
+        c.eval.max_new_tokens = 16
+        return c
+    c.mesh = {"data": 1, "fsdp": 8, "tensor": 1}
+    return c
