@@ -10,6 +10,7 @@ INSTALL_REQUIRES = [
     "flax==0.12.8",
     "optax==0.2.8",
     "orbax-checkpoint==0.12.8",
+    "etils",  # epath, used directly by checkpoint.py (also an orbax dependency)
     "transformers==5.24.0",
     "tokenizers>=0.22",
     "safetensors>=0.6",
@@ -25,6 +26,7 @@ INSTALL_REQUIRES = [
     "tqdm",
     "matplotlib",  # reward / ESS curves saved as PNG
     "tensorboardX",  # TensorBoard event files without TensorFlow
+    "jinja2>=3.1",  # chat templates: transformers' apply_chat_template imports it lazily
 ]
 
 TEST_REQUIRES = ["pytest", "hypothesis", "ruff"]

@@ -10,6 +10,11 @@ crash mid-save never produces a step that `latest_step` would pick.
     step, state, meta = ckpt.restore(abstract_state)  # ShapeDtypeStructs with shardings
 
 Restore reads only each device's slices, so the target mesh may differ from the saving one.
+
+keep-N is ours, not orbax's: a step is deleted only once `keep` newer steps are verified (saved
+and read back, or restored, by this process), so a newer checkpoint that turns out unreadable
+never costs an intact older one. `restore_newest_intact` falls back past unreadable steps and
+moves them aside to `<step>.unreadable` (never deleted).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -26,11 +32,25 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec
 from orbax.checkpoint._src.metadata import array_metadata_store  # pinned orbax 0.12.8
 
+from ess_jax.errors import UserError
+
 COMMIT_MARKER = "commit_success.txt"  # written by orbax just before the final rename
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint step that exists but cannot be read (uncommitted, truncated, corrupted)."""
+
+
+def _brief(e: BaseException) -> str:
+    """`Type: first line` of the root cause of an orbax / tensorstore error: the outer ones
+    run to pages (a whole TensorStore spec), the root names the file and what is wrong."""
+    while True:
+        inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        if inner is None:
+            break
+        e = inner
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def _key_str(entry) -> str:
@@ -139,8 +159,11 @@ class Checkpointer:
         # orbax (tensorstore) needs an absolute path
         self.directory = epath.Path(os.path.abspath(directory))
         self._async = async_save
+        self._keep = keep
+        self._verified: set[int] = set()  # steps this process saved and read back, or restored
+        self._pending: set[int] = set()  # async saves not yet waited for
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None,  # keep-N is `_prune`: it counts verified steps only
             save_interval_steps=save_interval_steps,
             create=False,
             enable_async_checkpointing=async_save,
@@ -186,9 +209,33 @@ class Checkpointer:
                 state=ocp.args.PyTreeSave(state), metadata=ocp.args.JsonSave(metadata)
             ),
         )
-        if saved and not self._async:
-            self._mngr.wait_until_finished()
+        if saved:
+            self._pending.add(step)
+            if not self._async:
+                self.wait()
         return bool(saved)
+
+    def _prune(self) -> None:
+        """Delete each step that has `keep` verified steps newer than it."""
+        self._verified.update(s for s in self._pending if self._readable(s))
+        self._pending.clear()
+        if self._keep is None:
+            return
+        self._mngr.reload()
+        for step in self._mngr.all_steps():
+            if sum(v > step for v in self._verified) >= self._keep:
+                self._mngr.delete(step)
+
+    def _readable(self, step: int) -> bool:
+        """A cheap read-back of a step just written: commit marker, metadata JSON and the array
+        metadata (a full array read is left to restore)."""
+        try:
+            self.read_metadata(step)
+            self._mngr.item_metadata(step)
+            return True
+        except Exception as e:
+            logging.error("step %d does not read back (%s): not kept for keep-N", step, _brief(e))
+            return False
 
     # --------------------------------------------------------------------------- inspect
 
@@ -216,8 +263,59 @@ class Checkpointer:
         if not self._committed(step):
             raise FileNotFoundError(f"no committed checkpoint step {step} in {self.directory}")
         self._mngr.reload()
-        out = self._mngr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+        path = self.directory / str(step) / "metadata" / "metadata"
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+            if not isinstance(out["metadata"], dict):
+                raise ValueError(f"not a JSON object: {type(out['metadata']).__name__}")
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory}: its metadata file {path} is "
+                f"truncated or corrupted ({_brief(e)})"
+            ) from e
         return out["metadata"]
+
+    def restore_newest_intact(
+        self, abstract_fn, fallback: bool = True
+    ) -> tuple[int, Any, dict] | None:
+        """(step, state, metadata) of the newest committed step that reads back, or None if
+        there is none. `abstract_fn(metadata)` gives a step's abstract state.
+
+        An unreadable step raises its CheckpointError unless `fallback`: then a warning, the
+        next older step is tried, and once one restores the unreadable ones are moved aside to
+        `<step>.unreadable` (so the run may write that step again). If none reads back, the
+        newest one's error is raised with nothing on disk changed."""
+        bad, first = [], None
+        for step in reversed(self.all_steps()):
+            try:
+                out = self.restore(abstract_fn(self.read_metadata(step)), step)
+            except CheckpointError as e:
+                if not fallback:
+                    older = [s for s in self.all_steps() if s < step]
+                    raise CheckpointError(
+                        f"{e}; not falling back to older steps {older} "
+                        "(train.restore_fallback=False)"
+                    ) from e
+                logging.warning("%s; trying the previous checkpoint", e)
+                bad, first = bad + [step], first or e
+                continue
+            for s in bad:
+                logging.warning("restored step %d; unreadable %s", step, self._set_aside(s))
+            self._verified.add(step)
+            return out
+        if first is not None:
+            raise CheckpointError(f"no checkpoint reads back (steps {bad}); newest: {first}")
+        return None
+
+    def _set_aside(self, step: int) -> str:
+        src = self.directory / str(step)
+        dst, n = self.directory / f"{step}.unreadable", 1
+        while dst.exists():
+            dst, n = self.directory / f"{step}.unreadable.{n}", n + 1
+        if jax.process_index() == 0:
+            shutil.move(str(src), str(dst))
+        self._mngr.reload()
+        return f"step {step} moved to {dst}"
 
     def restore(self, abstract_state, step: int | None = None) -> tuple[int, Any, dict]:
         """(step, state, metadata) for `step` (default: latest committed).
@@ -246,8 +344,7 @@ class Checkpointer:
             saved_tree = getattr(saved, "tree", saved)
         except Exception as e:
             raise CheckpointError(
-                f"{where} is truncated or corrupted: cannot read its "
-                f"array metadata ({type(e).__name__}: {e})"
+                f"{where} is truncated or corrupted: cannot read its array metadata ({_brief(e)})"
             ) from e
         if saved_tree is None:
             raise CheckpointError(f"{where} is truncated or corrupted: no array metadata")
@@ -264,19 +361,19 @@ class Checkpointer:
             state, metadata = out["state"], out["metadata"]
             jax.block_until_ready(state)
         except Exception as e:
-            raise CheckpointError(
-                f"{where} is truncated or corrupted: {type(e).__name__}: {e}"
-            ) from e
+            raise CheckpointError(f"{where} is truncated or corrupted: {_brief(e)}") from e
         return step, state, metadata
 
     # --------------------------------------------------------------------------- lifetime
 
     def wait(self) -> None:
-        """Block until any in-flight (async) save is committed."""
+        """Block until any in-flight (async) save is committed, then apply keep-N."""
         self._mngr.wait_until_finished()
+        if self._pending:
+            self._prune()
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
+        self.wait()
         self._mngr.close()
 
     def __enter__(self) -> Checkpointer:

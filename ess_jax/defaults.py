@@ -102,6 +102,9 @@ def base_config() -> ml_collections.ConfigDict:
     # Write the final params (and tokenizer) as a Hugging Face checkpoint to <workdir>/hf: an SFT
     # warm start shared by many RL runs (model.source=<workdir>/hf), or an external model.
     c.train.export_hf = False
+    # Resume from the newest checkpoint that reads back, with a warning, when newer ones are
+    # truncated or corrupted (they are moved aside, never deleted); False: stop with the error.
+    c.train.restore_fallback = True
 
     c.sft = ml_collections.ConfigDict()
     c.sft.steps = 0  # supervised warm start on demonstrations before RL

@@ -15,6 +15,7 @@ from ess_jax import model as model_lib
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
 from ess_jax import sharding as sharding_lib
+from ess_jax.config_checks import check, fail
 from ess_jax.data import char_tokenizer, get_task, load_dataset
 
 SYNTHETIC_TASKS = ("addition", "sort", "countdown")
@@ -22,54 +23,63 @@ LOCAL_DATASETS = ("gsm8k", "deepscaler", "math")
 PRECISIONS = ("float32", "bfloat16", "fp8")
 
 
-def _fail(field: str, msg: str):
-    raise ValueError(f"config.{field}: {msg}")
-
-
 def _mesh_sizes(config) -> dict[str, int]:
     try:
         return sharding_lib.mesh_shape(dict(config.mesh), jax.device_count())
     except ValueError as e:
-        _fail("mesh", str(e))
+        fail("mesh", str(e))
 
 
 def validate(config) -> None:
-    """Every check that can be made without compiling; raises ValueError naming the field."""
+    """Every check that can be made without compiling; raises ConfigError (a ValueError)
+    naming the field. Reads files (checkpoint paths) but never writes any."""
+    check(config)  # required fields and numeric domains
     try:
         obj_lib.get_objective(config.objective.name)
     except (ValueError, KeyError) as e:
-        _fail("objective.name", str(e))
-    obj_lib.ObjectiveConfig.from_dict(config.objective.to_dict())
+        fail("objective.name", str(e))
+    try:
+        obj_lib.ObjectiveConfig.from_dict(config.objective.to_dict())
+    except ValueError as e:
+        fail("objective", str(e))
+    m = config.model
+    if m.source == "embedded" and m.num_heads % m.num_kv_heads:
+        fail("model.num_kv_heads", f"{m.num_kv_heads} does not divide num_heads={m.num_heads}")
     if config.task.name not in SYNTHETIC_TASKS + LOCAL_DATASETS:
-        _fail(
+        fail(
             "task.name",
             f"unknown task {config.task.name!r}; valid: "
             f"{', '.join(SYNTHETIC_TASKS + LOCAL_DATASETS)}",
         )
+    if config.task.name in SYNTHETIC_TASKS:
+        try:
+            get_task(config.task.name, **dict(config.task.difficulty))
+        except (TypeError, ValueError) as e:
+            fail("task.difficulty", str(e))
     if config.task.name in LOCAL_DATASETS and not os.path.isdir(str(config.task.manual_dir)):
-        _fail(
+        fail(
             "task.manual_dir",
             f"{config.task.manual_dir!r} is not a directory holding the {config.task.name} files",
         )
     try:
         rewards_lib.get_reward(config.task.reward)
     except (ValueError, KeyError) as e:
-        _fail("task.reward", str(e))
+        fail("task.reward", str(e))
     r = config.rollout
     for field in ("precision", "external_precision"):
         if r[field] not in PRECISIONS:
-            _fail(f"rollout.{field}", f"{r[field]!r} is not one of {PRECISIONS}")
+            fail(f"rollout.{field}", f"{r[field]!r} is not one of {PRECISIONS}")
     if r.group_size < 1:
-        _fail("rollout.group_size", "must be >= 1")
+        fail("rollout.group_size", "must be >= 1")
     if r.lag < 0:
-        _fail("rollout.lag", "must be >= 0")
+        fail("rollout.lag", "must be >= 0")
     if not 0.0 <= r.external_fraction < 1.0:
-        _fail("rollout.external_fraction", "must be in [0, 1)")
+        fail("rollout.external_fraction", "must be in [0, 1)")
     if r.external_fraction > 0:
         if not r.external_checkpoint:
-            _fail("rollout.external_checkpoint", "needed when rollout.external_fraction > 0")
+            fail("rollout.external_checkpoint", "needed when rollout.external_fraction > 0")
         if round(r.external_fraction * r.group_size) in (0, r.group_size):
-            _fail(
+            fail(
                 "rollout.external_fraction",
                 f"{r.external_fraction} of a group of {r.group_size} rounds to no or all samples",
             )
@@ -80,34 +90,42 @@ def validate(config) -> None:
     batch = config.data.prompts_per_step * r.group_size
     t = config.train
     if batch % t.updates_per_batch:
-        _fail(
+        fail(
             "train.updates_per_batch",
             f"rollout batch {batch} (data.prompts_per_step x "
             f"rollout.group_size) is not divisible by it",
         )
     per_update = batch // t.updates_per_batch
     if per_update % t.num_microbatches:
-        _fail("train.num_microbatches", f"update batch {per_update} is not divisible by it")
+        fail("train.num_microbatches", f"update batch {per_update} is not divisible by it")
     if (per_update // t.num_microbatches) % data_ranks:
-        _fail(
+        fail(
             "data.prompts_per_step",
             f"micro-batch of {per_update // t.num_microbatches} "
             f"sequences does not divide over {data_ranks} data ranks "
             f"of mesh {sizes}",
         )
     if config.sft.steps and config.sft.batch_size % data_ranks:
-        _fail("sft.batch_size", f"not divisible by {data_ranks} data ranks")
+        fail("sft.batch_size", f"not divisible by {data_ranks} data ranks")
     if config.eval.every and (config.eval.batch_size * config.eval.k) % data_ranks:
-        _fail("eval.batch_size", f"eval batch x eval.k not divisible by {data_ranks} data ranks")
+        fail("eval.batch_size", f"eval batch x eval.k not divisible by {data_ranks} data ranks")
 
 
 def _check_checkpoint(field: str, source: str) -> None:
-    if source in ("embedded", "smollm2"):
+    if source == "embedded":
+        return
+    if source == "smollm2":
+        from ess_jax.gguf_llama import smollm2_gguf_path
+
+        try:
+            smollm2_gguf_path()
+        except FileNotFoundError as e:
+            fail(field, str(e))
         return
     if not os.path.exists(source):
-        _fail(field, f"checkpoint {source!r} does not exist")
+        fail(field, f"checkpoint {source!r} does not exist")
     if os.path.isdir(source) and not os.path.exists(os.path.join(source, "config.json")):
-        _fail(field, f"{source!r} has no config.json (not a Hugging Face checkpoint)")
+        fail(field, f"{source!r} has no config.json (not a Hugging Face checkpoint)")
 
 
 def load_policy(
@@ -142,7 +160,7 @@ def load_policy(
     path = weights.smollm2_gguf_path() if source == "smollm2" else source
     cfg, params, tok = weights.load_checkpoint(path, mesh=mesh)
     if tok is None and need_tokenizer:
-        raise ValueError(f"config.model.source: {path!r} has no tokenizer files")
+        fail("model.source", f"{path!r} has no tokenizer files")
     return cfg.replace(dtype=mcfg.dtype, logits_chunk=mcfg.logits_chunk), params, tok
 
 
@@ -157,9 +175,9 @@ def load_examples(tcfg) -> tuple[list[dict], list[dict]]:
         test = list(load_dataset(tcfg.name, tcfg.manual_dir, tcfg.test_split))
         train, test = train[: tcfg.num_train or None], test[: tcfg.num_test or None]
     if not train:
-        _fail("task", f"{tcfg.name}: the train split is empty")
+        fail("task", f"{tcfg.name}: the train split is empty")
     if not test:
-        _fail("task", f"{tcfg.name}: the held-out split is empty")
+        fail("task", f"{tcfg.name}: the held-out split is empty")
     return train, test
 
 

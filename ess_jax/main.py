@@ -1,21 +1,66 @@
 """Entry point: `python -m ess_jax.main --config=configs/quickstart.py --workdir=runs/qs`.
 
 Any config field can be overridden: `--config.objective.name=grpo --config.train.steps=10`.
+Resuming a workdir with other values than its checkpoint's is refused except for
+`workdir.SAFE_ON_RESUME` (train.steps, eval.*, ...) and `--allow_config_change=field,...`.
+Errors a user can fix (a config value, a busy workdir, an unreadable checkpoint) print as one
+line; `--verbose` or ESS_JAX_VERBOSE=1 shows the traceback.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from ess_jax import config_checks  # no jax: a bad value fails before jax is imported
+from ess_jax.errors import UserError
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file.", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, checkpoints, plots.")
+_ALLOW = flags.DEFINE_list(
+    "allow_config_change",
+    [],
+    "Config fields or sections (e.g. optim.lr,rollout) that may differ from the checkpoint's "
+    "when resuming; train.steps, train.checkpoint_every, eval and mesh always may.",
+)
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Tracebacks for config/workdir/checkpoint errors.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _verbose(argv=()) -> bool:
+    parsed = flags.FLAGS.is_parsed() and _VERBOSE.value
+    return parsed or "--verbose" in argv or os.environ.get("ESS_JAX_VERBOSE", "") not in ("", "0")
+
+
+def _exit(msg: str) -> None:
+    print("error: " + " ".join(msg.split()), file=sys.stderr)  # one line
+    sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except Exception as e:  # flags.Error, or ml_collections' KeyError for an unknown field
+        if _verbose(argv):
+            raise
+        _exit(config_checks.explain_flag_error(argv, e))
+
+
+def _config():
+    try:
+        config = _CONFIG.value
+        config.to_dict  # noqa: B018 - a config file that did not load raises its OSError here
+    except OSError as e:
+        last = str(e).strip().splitlines()[-1].strip()
+        raise config_checks.ConfigError(f"--config: {last}") from e
+    return config
 
 
 def main(argv) -> None:
@@ -23,11 +68,18 @@ def main(argv) -> None:
     # orbax logs every save at INFO through absl; keep the console to the progress bars
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger().setLevel(logging.WARNING)
-    from ess_jax import train  # after flag parsing: jax initialises devices on import of train
+    try:
+        config = _config()
+        config_checks.check(config)
+        from ess_jax import train  # jax initialises devices on import of train
 
-    png = train.run(_CONFIG.value, _WORKDIR.value)
+        png = train.run(config, _WORKDIR.value, allow_config_change=_ALLOW.value)
+    except UserError as e:
+        if _verbose():
+            raise
+        _exit(str(e))
     print(f"done: metrics in {_WORKDIR.value}/metrics.jsonl, curves in {png}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=_parse_flags)

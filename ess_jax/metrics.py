@@ -72,6 +72,13 @@ def progress_postfix(row: Mapping[str, Any]) -> str:
     return " ".join(f"{k.split('_')[0]}={row[k]:.3f}" for k in keys if row.get(k) is not None)
 
 
+def eval_summary(row: Mapping[str, Any]) -> str:
+    """The console line of an eval row: `eval @ step 50: pass@1 0.904  pass@4 0.984 ...`."""
+    keys = [k for k, v in row.items() if k.startswith("eval/") and isinstance(v, (int, float))]
+    keys.sort(key=lambda k: not k.startswith("eval/pass@"))  # pass@1, pass@k first
+    return f"eval @ step {row['step']}: " + "  ".join(f"{k[5:]} {row[k]:.3f}" for k in keys)
+
+
 def plot_run(workdir: str, out: str | None = None) -> str:
     """PNG of reward, held-out pass@1 and ESS against step."""
     import matplotlib

@@ -26,10 +26,12 @@ from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
 from ess_jax import rollout as rollout_lib
 from ess_jax import sharding as sharding_lib
+from ess_jax import workdir as workdir_lib
 from ess_jax.checkpoint import Checkpointer
 from ess_jax.data import PromptBatcher, sft_batches
 from ess_jax.data.noise import corrupt_demonstrations
-from ess_jax.metrics import MetricsWriter, plot_run, progress_postfix
+from ess_jax.errors import UserError
+from ess_jax.metrics import MetricsWriter, eval_summary, plot_run, progress_postfix
 from ess_jax.optim import learning_rate_schedule, make_optimizer
 
 MAX_NONFINITE_IN_A_ROW = 3
@@ -43,7 +45,7 @@ class TrainState:
     nonfinite: jax.Array  # consecutive skipped (non-finite) updates
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     pass
 
 
@@ -142,12 +144,31 @@ def rollout_to_batch(r: rollout_lib.Rollout) -> dict:
 
 
 class Run:
-    """Everything one RL run holds; `run(config, workdir)` drives it."""
+    """Everything one RL run holds; `run(config, workdir)` drives it. It holds the workdir's
+    lock from construction to the end of `run()` (or `close()`)."""
 
-    def __init__(self, config, workdir: str):
+    def __init__(self, config, workdir: str, allow_config_change=()):
         experiment.validate(config)
         self.config, self.workdir = config, os.path.abspath(workdir)
         sharding_lib.maybe_initialize_distributed()
+        self.ckpt = Checkpointer(
+            os.path.join(self.workdir, "checkpoints"), keep=config.train.keep_checkpoints
+        )
+        self._lock = workdir_lib.claim(
+            self.workdir, config, self.ckpt, allow_config_change, jax.process_index() == 0
+        )
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the workdir."""
+        if self._lock is not None:
+            self._lock.release()
+
+    def _build(self, config) -> None:
         self.mesh = sharding_lib.make_mesh(dict(config.mesh))
         self.cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
         self.stop_ids = experiment.stop_ids(config, self.tokenizer)
@@ -179,9 +200,9 @@ class Run:
                 need_tokenizer=False,
             )
             if ecfg.vocab_size != self.cfg.vocab_size:
-                raise ValueError(
-                    "config.rollout.external_checkpoint: vocab size "
-                    f"{ecfg.vocab_size} != policy's {self.cfg.vocab_size}"
+                experiment.fail(
+                    "rollout.external_checkpoint",
+                    f"vocab size {ecfg.vocab_size} != policy's {self.cfg.vocab_size}",
                 )
             self.external = rollout_lib.PolicySource(
                 ecfg,
@@ -191,9 +212,6 @@ class Run:
                 -1,
             )
         self.ref_params = None
-        self.ckpt = Checkpointer(
-            os.path.join(self.workdir, "checkpoints"), keep=config.train.keep_checkpoints
-        )
         self.rng = jax.random.key(config.seed)
         self._rl_steps: dict = {}
         self._step_start = None  # (data position, optimizer step) while a step runs
@@ -216,11 +234,13 @@ class Run:
         self.ckpt.save(step, self._ckpt_tree(), meta, force=force)
 
     def try_restore(self) -> int | None:
-        step = self.ckpt.latest_step()
-        if step is None:
+        found = self.ckpt.restore_newest_intact(
+            lambda meta: self._abstract_tree(len(meta["history_versions"])),
+            fallback=self.config.train.restore_fallback,
+        )
+        if found is None:
             return None
-        n_versions = len(self.ckpt.read_metadata(step)["history_versions"])
-        step, tree, meta = self.ckpt.restore(self._abstract_tree(n_versions), step)
+        step, tree, meta = found
         self.state = tree["state"]
         self.ref_params = tree.get("ref")
         self.history.restore(list(zip(meta["history_versions"], tree["history"])))
@@ -392,9 +412,22 @@ class Run:
         )
         return row
 
+    def _eval(self, writer, step: int) -> None:
+        row = {"step": step, **self.evaluate(step)}
+        writer.write(row)
+        tqdm.write(eval_summary(row))
+
     def run(self) -> str:
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> str:
         t = self.config.train
         start = self.try_restore()
+        if jax.process_index() == 0:
+            workdir_lib.write_config(self.workdir, self.config)
         writer = MetricsWriter(self.workdir, resume_step=start if start is not None else 0)
         if start is None:
             self.sft()
@@ -411,7 +444,7 @@ class Run:
         try:
             for step in bar:
                 if self.config.eval.every and step % self.config.eval.every == 0:
-                    writer.write({"step": step, **self.evaluate(step)})
+                    self._eval(writer, step)
                 row = self.rl_step(step)
                 writer.write(row)
                 bar.set_postfix_str(progress_postfix(row))
@@ -419,7 +452,7 @@ class Run:
                     self.save(step + 1)
             step = t.steps
             if self.config.eval.every:
-                writer.write({"step": step, **self.evaluate(step)})
+                self._eval(writer, step)
             self.save(step, force=True)
             if t.export_hf:
                 self.export_hf()
@@ -444,6 +477,9 @@ def _with_stop_ids(rcfg, ids):
     return r
 
 
-def run(config, workdir: str) -> str:
-    """Runs SFT warm start (if configured) then RL; returns the path of the curves PNG."""
-    return Run(config, workdir).run()
+def run(config, workdir: str, allow_config_change=()) -> str:
+    """Runs SFT warm start (if configured) then RL; returns the path of the curves PNG.
+
+    Resuming a workdir with a config that differs from its checkpoint's outside
+    `workdir.SAFE_ON_RESUME` needs the changed fields (or sections) in `allow_config_change`."""
+    return Run(config, workdir, allow_config_change).run()
