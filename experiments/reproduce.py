@@ -43,6 +43,7 @@ EXPERIMENTS = (
     "e7_external",
     "e8_dual_anchor",
     "async_lag",
+    "e1b_clip_sweep_fp8",
 )
 NEEDS_EXTERNAL = ("e7_external",)
 
