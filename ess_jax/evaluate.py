@@ -29,17 +29,21 @@ def evaluate(
     rng: jax.Array,
     buckets=(16, 32, 64),
 ) -> dict:
-    """{'eval/pass@1', 'eval/pass@k', 'eval/reward_mean', 'eval/response_len'} over `examples`.
+    """{'eval/pass@1', 'eval/pass@k' (k > 1), 'eval/response_len'} over the first
+    `ecfg.num_examples` of `examples` (all if 0).
 
     Every example is scored with `ecfg.k` samples at `ecfg.temperature`; pass@1 is the mean
-    success over all samples, pass@k the unbiased estimator with n = k.
+    success over all samples, pass@k the unbiased estimator with n = k. Batches have a fixed
+    shape: the last one is topped up with repeats of the first examples, whose samples are
+    dropped unscored, so every example counts once whatever num_examples % batch_size is.
     """
     n_ex = min(len(examples), int(ecfg.num_examples)) if ecfg.num_examples else len(examples)
-    bs = int(ecfg.batch_size)
-    n_ex -= n_ex % bs  # fixed shapes: whole batches only
     if n_ex == 0:
-        raise ValueError(f"eval: {len(examples)} held-out examples, fewer than one batch of {bs}")
-    batcher = PromptBatcher(examples[:n_ex], tokenizer, bs, buckets=buckets, shuffle=False)
+        raise ValueError("eval: no held-out examples")
+    bs = int(ecfg.batch_size)
+    n_batches = -(-n_ex // bs)
+    padded = [examples[i % n_ex] for i in range(n_batches * bs)]
+    batcher = PromptBatcher(padded, tokenizer, bs, buckets=buckets, shuffle=False)
     sampling = sampler_lib.SamplingConfig(
         temperature=float(ecfg.temperature),
         top_k=0,
@@ -49,8 +53,10 @@ def evaluate(
         stop_ids=tuple(stop_ids),
     )
     correct, lengths = [], []
-    for i in range(n_ex // bs):
+    k = sampling.num_samples
+    for i in range(n_batches):
         b = next(batcher)
+        rows = min(bs, n_ex - i * bs) * k  # row j * k + s is sample s of prompt j
         out = sampler_lib.sample(
             policy.cfg,
             policy.params,
@@ -59,13 +65,12 @@ def evaluate(
             sampling,
             jax.random.fold_in(rng, i),
         )
-        mask = np.asarray(out.response_mask)
-        texts = rollout_lib.completions_text(tokenizer, np.asarray(out.tokens), mask)
-        exs = [ex for ex in b["examples"] for _ in range(sampling.num_samples)]
+        mask = np.asarray(out.response_mask)[:rows]
+        texts = rollout_lib.completions_text(tokenizer, np.asarray(out.tokens)[:rows], mask)
+        exs = [ex for ex in b["examples"] for _ in range(k)][:rows]
         correct.append(np.array([reward_fn(t, ex) >= 1.0 for t, ex in zip(texts, exs)]))
         lengths.append(mask.sum(-1))
-    c = np.concatenate(correct).reshape(n_ex, sampling.num_samples)
-    k = sampling.num_samples
+    c = np.concatenate(correct).reshape(n_ex, k)
     out = {
         "eval/pass@1": float(c.mean()),
         "eval/response_len": float(np.concatenate(lengths).mean()),

@@ -103,17 +103,25 @@ def make_sft_step(cfg, tx, state_sh, batch_sh):
     )
 
 
-def _logp_fn(cfg, prompt_len: int):
+def _logp_fn(cfg, prompt_len: int, entropy: bool = False):
+    """Teacher-forced log-probs of the response tokens (trainer: T=1, float32). With `entropy`,
+    (logp, {"entropy": ...}): the full-distribution entropy at each response position, which
+    the objectives' entropy bonus uses instead of the -logp proxy (it carries the gradient)."""
+
     def logp_fn(params, mb):
-        # teacher-forced log-probs of the response tokens (trainer: T=1, float32)
-        return model_lib.token_logprobs(cfg, params, mb["tokens"], mb["attn_mask"])[:, prompt_len:]
+        out = model_lib.token_logprobs(
+            cfg, params, mb["tokens"], mb["attn_mask"], return_entropy=entropy
+        )
+        if not entropy:
+            return out[:, prompt_len:]
+        return out[0][:, prompt_len:], {"entropy": out[1][:, prompt_len:]}
 
     return logp_fn
 
 
 def make_rl_step(cfg, tx, obj_cfg, num_microbatches, prompt_len, state_sh, batch_sh):
     """One optimizer update on a rollout (mini-)batch with the configured objective."""
-    logp_fn = _logp_fn(cfg, prompt_len)
+    logp_fn = _logp_fn(cfg, prompt_len, entropy=obj_cfg.beta_ent != 0)
 
     def step(state, batch):
         loss, grads, metrics = accumulate.step_loss_and_grad(

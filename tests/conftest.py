@@ -1,5 +1,11 @@
-"""Test setup: 8 fake CPU devices, float32 matmuls at full precision."""
+"""Test setup: 8 fake CPU devices, float32 matmuls at full precision.
 
+With ESS_JAX_TEST_REPORT=<path> set (as `.ci/run` does), the session also writes every test it
+did not run (skipped, xfailed, deselected, or a module skipped at collection) to <path> as JSON;
+`.ci/check_skips.py` then fails CI for any that `tests/skip_allowlist.txt` does not list.
+"""
+
+import json
 import os
 
 # Must happen before jax is imported anywhere.
@@ -11,3 +17,34 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+REPORT_ENV = "ESS_JAX_TEST_REPORT"
+_not_run: list[dict] = []
+
+
+def _skip_reason(report) -> str:
+    if hasattr(report, "wasxfail"):
+        return f"xfail: {report.wasxfail}"
+    longrepr = report.longrepr
+    return str(longrepr[-1] if isinstance(longrepr, tuple) else longrepr)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        _not_run.append({"nodeid": report.nodeid, "how": "skipped", "why": _skip_reason(report)})
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _not_run.append({"nodeid": report.nodeid, "how": "skipped", "why": _skip_reason(report)})
+
+
+def pytest_deselected(items):
+    _not_run.extend({"nodeid": it.nodeid, "how": "deselected", "why": ""} for it in items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"collected": session.testscollected, "not_run": _not_run}, f, indent=1)
