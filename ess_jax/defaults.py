@@ -18,9 +18,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.source = "embedded"  # embedded | smollm2 | path to an HF dir or a .gguf file
     c.model.dtype = "float32"  # trainer compute dtype (params are float32 masters)
-    c.model.logits_chunk = (
-        0  # > 0: trainer log-probs compute the LM head this many tokens at a time
-    )
+    # > 0: full-sequence forwards compute the LM head and attention this many tokens at a time
+    c.model.logits_chunk = 0
+    c.model.remat = False  # recompute each block in the backward pass (long sequences)
     # embedded model only (a char-level Llama-style decoder trained from scratch):
     c.model.hidden_size = 64
     c.model.intermediate_size = 192
@@ -59,6 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.stop_ids = ()  # () -> the tokenizer's EOS (and chat end tokens)
     c.rollout.advantage_mode = "grpo"  # grpo | drgrpo | rloo
     c.rollout.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
+    c.rollout.sample_microbatches = 1  # sample the rollout batch in this many sampler calls
     c.rollout.overlong_buffer = 0  # DAPO soft overlong penalty buffer (tokens); 0: off
 
     # Every ObjectiveConfig field, so each can be set from the command line; None (a typed

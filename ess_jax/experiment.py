@@ -95,6 +95,8 @@ def validate(config) -> None:
             f"rollout batch {batch} (data.prompts_per_step x "
             f"rollout.group_size) is not divisible by it",
         )
+    if config.data.prompts_per_step % r.sample_microbatches:
+        fail("rollout.sample_microbatches", "does not divide data.prompts_per_step")
     per_update = batch // t.updates_per_batch
     if per_update % t.num_microbatches:
         fail("train.num_microbatches", f"update batch {per_update} is not divisible by it")
@@ -154,6 +156,7 @@ def load_policy(
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             logits_chunk=mcfg.logits_chunk,
+            remat=mcfg.remat,
         )
         shardings = None if mesh is None else sharding_lib.param_shardings(cfg, mesh)
         return cfg, model_lib.init_params(cfg, int(mcfg.init_seed), shardings), tok
@@ -161,7 +164,8 @@ def load_policy(
     cfg, params, tok = weights.load_checkpoint(path, mesh=mesh)
     if tok is None and need_tokenizer:
         fail("model.source", f"{path!r} has no tokenizer files")
-    return cfg.replace(dtype=mcfg.dtype, logits_chunk=mcfg.logits_chunk), params, tok
+    cfg = cfg.replace(dtype=mcfg.dtype, logits_chunk=mcfg.logits_chunk, remat=mcfg.remat)
+    return cfg, params, tok
 
 
 def load_examples(tcfg) -> tuple[list[dict], list[dict]]:

@@ -23,6 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
+
+from ess_jax.sharding import BATCH
 
 Params = dict[str, Any]
 # Large finite negative instead of -inf: fully masked rows (left pads) must give finite
@@ -51,9 +54,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
-    # token_logprobs: > 0 computes the LM head in chunks of this many positions (memory for
-    # long sequences x large vocabularies); 0 materialises all [B, T, V] logits at once
+    # > 0: full-sequence forwards (the trainer's log-probs, the sampler's prefill) compute the
+    # LM head and the attention scores this many positions at a time, so neither [B, T, V]
+    # logits nor [B, H, T, S] scores exist at once; 0: all at once
     logits_chunk: int = 0
+    # recompute each block in the backward pass (keeps only the [B, T, D] block inputs)
+    remat: bool = False
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -74,6 +80,18 @@ def _ones(shape: tuple[int, ...], axes: tuple) -> nnx.Param:
 
 def _zeros(shape: tuple[int, ...], axes: tuple) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=axes, eager_sharding=False)
+
+
+def shard_rows(x_BxTxD: jax.Array) -> jax.Array:
+    """Rows over the data-parallel mesh axes when traced under a mesh (`jax.set_mesh` or
+    `use_abstract_mesh`, as the trainer's steps are). Without it GSPMD follows the FSDP-sharded
+    weights and every device computes the activations of the whole global batch."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in BATCH if a in mesh.axis_names and mesh.shape[a] > 1)
+    if not axes or x_BxTxD.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x_BxTxD
+    spec = PartitionSpec(axes, *([None] * (x_BxTxD.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x_BxTxD, spec)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -168,17 +186,32 @@ class Attention(nnx.Module):
             new_cache = {"k": k_all, "v": v_all}
             key_idx = jnp.arange(k_all.shape[2])
             query_idx = cache_index + jnp.arange(t)
-        mask_BxTxS = (key_idx[None, :] <= query_idx[:, None])[None] & kv_mask_BxS[:, None, :]
 
         b, _, h, kd = q.shape
         n = k_all.shape[1]
         q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
-        scores = jnp.einsum(
-            "btngk,bnsk->bngts", q, k_all.astype(dt), preferred_element_type=jnp.float32
-        ) / math.sqrt(kd)
-        scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bngts,bnsk->btngk", probs, v_all.astype(dt)).reshape(b, t, h, kd)
+        k_all, v_all = k_all.astype(dt), v_all.astype(dt)
+
+        def attend(q_BxCxNxGxK, query_idx_C):
+            mask_BxCxS = (key_idx[None, :] <= query_idx_C[:, None])[None] & kv_mask_BxS[:, None]
+            scores = jnp.einsum(
+                "btngk,bnsk->bngts", q_BxCxNxGxK, k_all, preferred_element_type=jnp.float32
+            ) / math.sqrt(kd)
+            scores = jnp.where(mask_BxCxS[:, None, None], scores, _MASK_VALUE)
+            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+            return jnp.einsum("bngts,bnsk->btngk", probs, v_all)
+
+        c = cfg.logits_chunk
+        if c <= 0 or t <= c:
+            out = attend(q, query_idx)
+        else:  # query chunks, each recomputed in the backward pass: no [B, H, T, S] scores
+            pad = -t % c
+            qs = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+            qs = jnp.moveaxis(qs.reshape(b, -1, c, *q.shape[2:]), 1, 0)
+            idx = jnp.pad(query_idx, (0, pad)).reshape(-1, c)
+            out = jax.lax.map(lambda a: jax.checkpoint(attend)(*a), (qs, idx))
+            out = jnp.moveaxis(out, 0, 1).reshape(b, -1, *q.shape[2:])[:, :t]
+        out = out.reshape(b, t, h, kd)
         return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(dt)), new_cache
 
 
@@ -240,12 +273,23 @@ class Decoder(nnx.Module):
 
     def hidden(self, cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
         """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache."""
-        x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype)
+        x = shard_rows(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype))
         new_cache = []
         for i, layer in enumerate(self.layers):
-            x, c = layer(
-                cfg, x, positions_BxT, kv_mask_BxS, None if cache is None else cache[i], cache_index
-            )
+            if cfg.remat and cache is None:
+                x, c = jax.checkpoint(lambda x, p, m, layer=layer: layer(cfg, x, p, m, None, 0))(
+                    x, positions_BxT, kv_mask_BxS
+                )
+            else:
+                x, c = layer(
+                    cfg,
+                    x,
+                    positions_BxT,
+                    kv_mask_BxS,
+                    None if cache is None else cache[i],
+                    cache_index,
+                )
+            x = shard_rows(x)
             new_cache.append(c)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
         return x, (None if cache is None else new_cache)
@@ -297,12 +341,22 @@ def _init_fn(cfg: ModelConfig, sharding_leaves: tuple, treedef):
 
 
 def abstract_params(cfg: ModelConfig) -> Params:
-    """ShapeDtypeStructs of the parameters, without allocating them."""
-    return nnx.to_pure_dict(_abstract(cfg)[1])
+    """ShapeDtypeStructs of the parameters, without allocating them (a fresh dict each call)."""
+    return jax.tree.map(lambda x: x, _abstract_pure(cfg))
 
 
 def logical_axes(cfg: ModelConfig) -> Params:
     """Same tree as the params, each leaf the tuple of its logical axis names."""
+    return jax.tree.map(lambda x: x, _logical_pure(cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+
+@functools.lru_cache(maxsize=32)
+def _abstract_pure(cfg: ModelConfig) -> Params:
+    return nnx.to_pure_dict(_abstract(cfg)[1])
+
+
+@functools.lru_cache(maxsize=32)
+def _logical_pure(cfg: ModelConfig) -> Params:
     specs = nnx.to_pure_dict(nnx.get_partition_spec(_abstract(cfg)[1]))
     return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 

@@ -46,7 +46,8 @@ class Rollout:
 
 @dataclasses.dataclass
 class PolicySource:
-    """A model that can draw samples: config, params (sample layout) and a version number."""
+    """A model that can draw samples: config, params (any layout: the sampler moves them to
+    the sample layout for the duration of a collection) and a version number."""
 
     cfg: Any
     params: Any
@@ -82,12 +83,24 @@ class ParamHistory:
         self._versions.extend(versions)
 
 
-def _draw(src: PolicySource, prompts, prompt_mask, sampling, rng, precision: str):
-    out = sampler_lib.sample(
-        src.cfg, src.params, prompts, prompt_mask, sampling, rng, precision=precision
-    )
-    version = np.full((out.tokens.shape[0],), src.version, np.int32)
-    return out, version
+_FIELDS = ("tokens", "response_mask", "behaviour_logp", "sequences", "sequence_mask")
+
+
+def _draw(src: PolicySource, prompts, prompt_mask, sampling, rng, precision: str, calls: int):
+    """The sampler's outputs as numpy arrays, the prompts split over `calls` sampler calls
+    (each holds a KV cache for only its share of the rows: rollout.sample_microbatches)."""
+    if len(prompts) % calls:
+        raise ValueError(
+            f"config.rollout.sample_microbatches: {calls} does not divide {len(prompts)} prompts"
+        )
+    params = sampler_lib.sample_layout(src.cfg, src.params)  # once for all calls
+    parts = []
+    for i, (p, m) in enumerate(zip(np.split(prompts, calls), np.split(prompt_mask, calls))):
+        key = rng if calls == 1 else jax.random.fold_in(rng, i)
+        out = sampler_lib.sample(src.cfg, params, p, m, sampling, key, precision=precision)
+        parts.append({k: np.asarray(getattr(out, k)) for k in _FIELDS})
+    fields = {k: np.concatenate([part[k] for part in parts]) for k in _FIELDS}
+    return fields, np.full((len(fields["tokens"]),), src.version, np.int32)
 
 
 def _interleave_groups(a, b, num_prompts: int):
@@ -120,30 +133,28 @@ def collect(
         stop_ids=tuple(rcfg.stop_ids),
     )
     rng_pol, rng_ext = jax.random.split(rng)
-    out, version = _draw(
+    calls = int(rcfg.get("sample_microbatches", 1))
+    fields, version = _draw(
         policy,
         prompts,
         pmask,
         sampler_lib.SamplingConfig(num_samples=group - n_ext, **base),
         rng_pol,
         rcfg.precision,
+        calls,
     )
-    keys = ("tokens", "response_mask", "behaviour_logp", "sequences", "sequence_mask")
-    fields = {k: np.asarray(getattr(out, k)) for k in keys}
     if n_ext:
-        ext_out, ext_version = _draw(
+        ext_fields, ext_version = _draw(
             external,
             prompts,
             pmask,
             sampler_lib.SamplingConfig(num_samples=n_ext, **base),
             rng_ext,
             rcfg.external_precision,
+            calls,
         )
         # external samples first in each group, their pi_b is the external model's log-prob
-        fields = {
-            k: _interleave_groups(np.asarray(getattr(ext_out, k)), v, num_prompts)
-            for k, v in fields.items()
-        }
+        fields = {k: _interleave_groups(ext_fields[k], v, num_prompts) for k, v in fields.items()}
         version = _interleave_groups(np.full_like(ext_version, -1), version, num_prompts)
 
     resp_mask = fields["response_mask"].astype(bool)

@@ -279,9 +279,11 @@ def _prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st,
     t, n = st.max_new_tokens, st.num_samples
     kv_mask = jnp.concatenate([mask_BxP, jnp.ones((b, t), bool)], axis=1)
     positions = model.positions_from_mask(mask_BxP)
-    logits, cache = model.forward(
-        cfg, params, prompts_BxP, positions, kv_mask, model.init_cache(cfg, b, p + t), 0
+    module = model.bind(cfg, params)
+    x, cache = module.hidden(
+        cfg, prompts_BxP, positions, kv_mask.astype(bool), model.init_cache(cfg, b, p + t), 0
     )
+    logits = module.logits(cfg, x[:, -1:])  # the last position only: no [B, P, V] logits
     rep = functools.partial(jnp.repeat, repeats=n, axis=0)  # sample j of prompt i: row i*n+j
     zeros = jnp.zeros((b * n, t), jnp.float32)
     s = _DecodeState(
@@ -362,6 +364,20 @@ def _place(x, mesh: Mesh | None):
     return jax.device_put(x, NamedSharding(mesh, spec))
 
 
+def sample_layout(cfg: model.ModelConfig, params, mesh: Mesh | None = None):
+    """`params` in the sampling layout (a copy unless they are there already)."""
+    mesh = mesh if mesh is not None else _infer_mesh(params)
+    if mesh is None or mesh.size == 1:
+        return params
+    target = shd.param_shardings(cfg, mesh, "sample")
+    if any(
+        getattr(x, "sharding", None) != t
+        for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))
+    ):
+        params = shd.reshard(params, target)
+    return params
+
+
 def sample(
     cfg: model.ModelConfig,
     params,
@@ -409,12 +425,7 @@ def sample(
     )
     mesh = mesh if mesh is not None else _infer_mesh(params)
     if mesh is not None and mesh.size > 1:
-        target = shd.param_shardings(cfg, mesh, "sample")
-        if any(
-            getattr(x, "sharding", None) != t
-            for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))
-        ):
-            params = shd.reshard(params, target)
+        params = sample_layout(cfg, params, mesh)
     else:
         mesh = None
     sample_cfg = cfg.replace(dtype="float32" if precision == "float32" else "bfloat16")

@@ -141,6 +141,17 @@ def param_shardings(cfg, mesh: Mesh, mode: str = "train"):
     return tree_shardings(model.abstract_params(cfg), model.logical_axes(cfg), mesh, rules)
 
 
+def under_mesh(fn, mesh: Mesh):
+    """`fn` traced with `mesh` as the context mesh, so the model can constrain its activations
+    to batch-sharded rows (model.shard_rows). For functions passed to `jax.jit`."""
+
+    def wrapped(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Leading (batch) dim over every data-parallel axis, the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH, *([None] * (ndim - 1))))

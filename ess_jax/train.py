@@ -99,7 +99,10 @@ def make_sft_step(cfg, tx, state_sh, batch_sh):
         return state, {"loss": loss, "grad_norm": grad_norm}
 
     return jax.jit(
-        step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0
+        sharding_lib.under_mesh(step, batch_sh.mesh),
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, None),
+        donate_argnums=0,
     )
 
 
@@ -131,14 +134,29 @@ def make_rl_step(cfg, tx, obj_cfg, num_microbatches, prompt_len, state_sh, batch
         return state, {**metrics, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
 
     return jax.jit(
-        step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, None), donate_argnums=0
+        sharding_lib.under_mesh(step, batch_sh.mesh),
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, None),
+        donate_argnums=0,
     )
 
 
 @functools.lru_cache(maxsize=16)
-def _score_fn(cfg, prompt_len):
-    """Teacher-forced response log-probs under some params (proximal / reference policy)."""
-    return jax.jit(_logp_fn(cfg, prompt_len))
+def _score_fn(cfg, prompt_len, mesh, num_chunks: int):
+    """Teacher-forced response log-probs under some params (proximal / reference policy), in
+    `num_chunks` strided row chunks (the train step's micro-batch size: a whole rollout batch
+    at once would hold every sequence's activations)."""
+    logp_fn = _logp_fn(cfg, prompt_len)
+
+    def split(x):  # strided, as accumulate's micro-batches: every chunk has rows on every device
+        return x.reshape(x.shape[0] // num_chunks, num_chunks, *x.shape[1:]).swapaxes(0, 1)
+
+    def score(params, batch):
+        inputs = {k: split(batch[k]) for k in ("tokens", "attn_mask")}
+        logp = jax.lax.map(lambda mb: logp_fn(params, mb), inputs)
+        return logp.swapaxes(0, 1).reshape(-1, logp.shape[-1])
+
+    return jax.jit(sharding_lib.under_mesh(score, mesh))
 
 
 def rollout_to_batch(r: rollout_lib.Rollout) -> dict:
@@ -212,13 +230,8 @@ class Run:
                     "rollout.external_checkpoint",
                     f"vocab size {ecfg.vocab_size} != policy's {self.cfg.vocab_size}",
                 )
-            self.external = rollout_lib.PolicySource(
-                ecfg,
-                sharding_lib.reshard(
-                    eparams, sharding_lib.param_shardings(ecfg, self.mesh, "sample")
-                ),
-                -1,
-            )
+            # kept in the train layout (FSDP-sharded); gathered only while it samples
+            self.external = rollout_lib.PolicySource(ecfg, eparams, -1)
         self.ref_params = None
         self.rng = jax.random.key(config.seed)
         self._rl_steps: dict = {}
@@ -258,7 +271,7 @@ class Run:
     def _abstract_tree(self, n_history: int):
         as_abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         state = jax.tree.map(as_abstract, self.state, self.state_sh)
-        hist_one = jax.tree.map(as_abstract, self.state.params, self.sample_sh)
+        hist_one = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
         tree = {"state": state, "history": [hist_one] * n_history}
         if self.obj_cfg.beta_kl > 0:
             tree["ref"] = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
@@ -375,7 +388,7 @@ class Run:
         n_upd = t.updates_per_batch
         per = rollout.num_sequences // n_upd
         batch = sharding_lib.shard_batch(rollout_to_batch(rollout), self.mesh)
-        score = _score_fn(self.cfg, rollout.prompt_len)
+        score = _score_fn(self.cfg, rollout.prompt_len, self.mesh, t.num_microbatches * n_upd)
         if (
             self.obj_cfg.name in obj_lib.NEEDS_PROX
         ):  # snapshot before the first update on this batch
@@ -404,7 +417,8 @@ class Run:
                 f"{int(self.state.nonfinite)} updates in a row had a non-finite loss or gradient "
                 f"(step {step}); the last good state is kept. Lower optim.lr or check the data."
             )
-        self.history.push(step + 1, sharding_lib.reshard(self.state.params, self.sample_sh))
+        # train layout (FSDP-sharded): the sampler gathers a version only while it samples
+        self.history.push(step + 1, self.state.params)
         self._step_start = None
         elapsed = time.perf_counter() - t0
         row = {k: float(np.mean([m[k] for m in upd_metrics])) for k in upd_metrics[0]}
@@ -443,7 +457,7 @@ class Run:
                 self.ref_params = jax.tree.map(jnp.copy, self.state.params)
             start = 0
         if not self.history.state():
-            self.history.push(0, sharding_lib.reshard(self.state.params, self.sample_sh))
+            self.history.push(0, self.state.params)
             self.save(0, force=True)  # the SFT warm start is never redone after a crash
         step = start
         bar = tqdm(
