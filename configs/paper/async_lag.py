@@ -15,10 +15,11 @@ from configs.paper import common
 ARMS = tuple(
     f"lag{k}_{objective}" for k in (1, 2, 4) for objective in ("grpo_eps0.2", "p3o", "grpo_tis")
 )
+PRESETS = ("8xh100", "8xh200", "v5p-8")  # v5e-16: does not fit (tools/plan_memory.py)
 
 
 def get_config(arg: str | None = None):
-    arm, preset = common.parse(arg, ARMS)
+    arm, preset = common.parse(arg, ARMS, PRESETS)
     lag, objective = arm.split("_", 1)
     c = common.with_objective(common.base(), objective)
     c.rollout.lag = int(lag[3:])

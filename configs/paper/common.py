@@ -20,6 +20,7 @@ char-level model, 2 steps of 8 prompts and 16 new tokens, a CPU smoke run.
 from __future__ import annotations
 
 from configs.mini.common import OBJECTIVES, with_objective
+from ess_jax import presets
 from ess_jax.defaults import base_config
 
 __all__ = ["OBJECTIVES", "base", "finish", "parse", "with_objective"]
@@ -28,18 +29,25 @@ QWEN3_4B = "/path/to/Qwen3-4B-Thinking-2507"
 QWEN25_1P5B = "/path/to/Qwen2.5-1.5B"
 QWEN3_8B = "/path/to/Qwen3-8B"
 DEEPSCALER = "/path/to/deepscaler"
-PRESETS = ("8xh100", "tiny")
-DEFAULT_PRESET = "8xh100"  # the paper's hardware
+PRESETS = (*presets.PRESETS, "tiny")
+FITS_ALL = tuple(presets.PRESETS)
+BATCHING = {"8xh100": (4, 16), "8xh200": (8, 32), "v5p-8": (4, 16), "v5e-16": (1, 4)}
 
 
-def parse(arg: str | None, arms: tuple[str, ...]) -> tuple[str, str]:
-    """(arm, preset) from the part after ':' of --config=FILE:ARM[,PRESET]."""
+def parse(arg: str | None, arms: tuple[str, ...], fits: tuple[str, ...] = FITS_ALL):
+    """(arm, preset) from the part after ':' of --config=FILE:ARM[,PRESET]. `fits`: the
+    presets this experiment fits (tools/plan_memory.py); `tiny` always works."""
     arm, _, preset = (arg or "").partition(",")
     if arm not in arms:
         raise ValueError(f"unknown arm {arm!r}; this file's arms: {', '.join(arms)}")
-    preset = preset or DEFAULT_PRESET
+    preset = preset or presets.DEFAULT
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    if preset not in (*fits, "tiny"):
+        raise ValueError(
+            f"preset {preset!r} does not fit this experiment (tools/plan_memory.py); it fits "
+            f"{', '.join(fits)}. Another mesh: --config.mesh, checked by the planner's --mesh"
+        )
     return arm, preset
 
 
@@ -73,8 +81,9 @@ def base(source: str = QWEN3_4B, max_new_tokens: int = 4096):
     return c
 
 
-def finish(c, preset: str):
-    """Applies the hardware preset (mesh and batching) or the CPU `tiny` shrink."""
+def finish(c, preset: str, min_tensor: int = 1):
+    """Applies the hardware preset (mesh and batching) or the CPU `tiny` shrink. `min_tensor`:
+    tensor parallelism at least this wide (fewer FSDP ranks), for a larger sample layout."""
     if preset == "tiny":
         c.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
         c.model.source = "embedded"
@@ -90,5 +99,24 @@ def finish(c, preset: str):
         c.eval.every = 0
         c.eval.max_new_tokens = 16
         return c
-    c.mesh = {"data": 1, "fsdp": 8, "tensor": 1}
+    p = presets.get(preset)
+    c.mesh = dict(p.mesh)
+    if c.mesh["tensor"] < min_tensor:
+        c.mesh["fsdp"] = c.mesh["fsdp"] * c.mesh["tensor"] // min_tensor
+        c.mesh["tensor"] = min_tensor
+    # Batching that fits the preset (tools/plan_memory.py): rows per device of a train
+    # micro-batch and of a sampler call at 4K new tokens, fewer for longer responses.
+    scale = max(1, c.rollout.max_new_tokens // 4096)
+    train_rows, sample_rows = (max(1, n // scale) for n in BATCHING[preset])
+    ranks = c.mesh["data"] * c.mesh["fsdp"]
+    per_update = c.data.prompts_per_step * c.rollout.group_size // c.train.updates_per_batch
+    c.train.num_microbatches = max(1, per_update // (train_rows * ranks))
+    per_call = max(1, sample_rows * ranks // c.rollout.group_size)
+    c.rollout.sample_microbatches = max(1, c.data.prompts_per_step // per_call)
+    c.model.remat = True  # block inputs only: long responses do not fit otherwise
+    # eval samples in float32 (twice the bytes): a quarter of the rows, whole data ranks
+    eval_rows = max(1, sample_rows // 4) * ranks
+    c.eval.batch_size = max(1, eval_rows // c.eval.k)
+    if (c.eval.batch_size * c.eval.k) % ranks:
+        c.eval.batch_size = ranks
     return c

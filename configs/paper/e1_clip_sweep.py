@@ -17,9 +17,10 @@ share the setup. Unknown: seeds, the exact lr per run, ESS scope (step here).
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "grpo_eps0.4", "grpo_eps0.6", "dapo", "cispo", "gspo", "p3o", "p3o_dual")
+PRESETS = common.FITS_ALL
 
 
 def get_config(arg: str | None = None):
-    arm, preset = common.parse(arg, ARMS)
+    arm, preset = common.parse(arg, ARMS, PRESETS)
     c = common.with_objective(common.base(), arm)
     return common.finish(c, preset)

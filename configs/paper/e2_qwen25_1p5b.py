@@ -12,9 +12,10 @@ checkpoint (same dimensions), seeds, lr, the response length (4K here, as E1).
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "grpo_eps0.4", "grpo_eps0.6", "p3o")
+PRESETS = common.FITS_ALL
 
 
 def get_config(arg: str | None = None):
-    arm, preset = common.parse(arg, ARMS)
+    arm, preset = common.parse(arg, ARMS, PRESETS)
     c = common.with_objective(common.base(source=common.QWEN25_1P5B), arm)
     return common.finish(c, preset)

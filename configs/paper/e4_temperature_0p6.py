@@ -13,10 +13,11 @@ the paper. Unknown: seeds, lr per run, the step of collapse.
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "grpo_eps0.6", "p3o", "p3o_cap_only", "p3o_kl_only", "grpo_tis")
+PRESETS = common.FITS_ALL
 
 
 def get_config(arg: str | None = None):
-    arm, preset = common.parse(arg, ARMS)
+    arm, preset = common.parse(arg, ARMS, PRESETS)
     c = common.with_objective(common.base(), arm)
     c.rollout.temperature = 0.6
     return common.finish(c, preset)

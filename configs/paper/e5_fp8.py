@@ -15,10 +15,11 @@ bf16), seeds, lr per run.
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "p3o", "p3o_cap_only", "p3o_kl_only", "grpo_tis")
+PRESETS = ("8xh100", "8xh200", "v5p-8")  # v5e-16: does not fit (tools/plan_memory.py)
 
 
 def get_config(arg: str | None = None):
-    arm, preset = common.parse(arg, ARMS)
+    arm, preset = common.parse(arg, ARMS, PRESETS)
     c = common.with_objective(common.base(max_new_tokens=16384), arm)
     c.rollout.precision = "fp8"
     c.train.checkpoint_every = 5  # iteration 30 is evaluated afterwards

@@ -15,12 +15,14 @@ temperature (the policy's here), seeds, lr.
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "p3o", "grpo_tis")
+PRESETS = ("8xh100", "8xh200", "v5p-8")  # v5e-16: does not fit (tools/plan_memory.py)
 
 
 def get_config(arg: str | None = None):
-    arm, preset = common.parse(arg, ARMS)
+    arm, preset = common.parse(arg, ARMS, PRESETS)
     c = common.with_objective(common.base(), arm)
     c.rollout.external_fraction = 0.5
     c.rollout.external_checkpoint = common.QWEN3_8B
     c.rollout.external_precision = "bfloat16"
-    return common.finish(c, preset)
+    # tensor 2: the 8B sampler's sample-layout weights (float32, no FSDP) fit an H100 halved
+    return common.finish(c, preset, min_tensor=2)

@@ -19,10 +19,11 @@ ARMS = tuple(
     for t in ("1.0", "1.2")
     for objective in ("p3o", "p3o_dual_two_kl", "p3o_dual_mixture")
 )
+PRESETS = common.FITS_ALL
 
 
 def get_config(arg: str | None = None):
-    arm, preset = common.parse(arg, ARMS)
+    arm, preset = common.parse(arg, ARMS, PRESETS)
     temperature, objective = arm.split("_", 1)
     c = common.with_objective(common.base(), objective)
     c.rollout.temperature = float(temperature[1:])

@@ -14,10 +14,11 @@ DeepScaleR, T=1.
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "p3o", "p3o_dual_mixture", "grpo_tis")
+PRESETS = common.FITS_ALL
 
 
 def get_config(arg: str | None = None):
-    arm, preset = common.parse(arg, ARMS)
+    arm, preset = common.parse(arg, ARMS, PRESETS)
     c = common.with_objective(common.base(), arm)
     c.train.updates_per_batch = 4
     c.train.num_microbatches = 4

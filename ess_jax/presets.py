@@ -1,0 +1,48 @@
+"""Hardware presets: the slices the paper configs name (`--config=FILE:ARM,PRESET`).
+
+A preset is a device kind, a device count over some hosts, and the (data, fsdp, tensor) mesh
+that fits the paper's models (Qwen3-4B, Qwen2.5-1.5B; a Qwen3-8B external sampler) there. The
+trainer's layout shards params and AdamW moments over `fsdp` (and `tensor`); the sampler's
+layout drops the FSDP sharding (no all-gathers per decoded token), so its per-device weight
+bytes are params / tensor: the v5e slice needs tensor parallelism to hold them in 16 GB.
+
+Multi-host (v5e-16: 4 hosts): run the same command on every host; `jax.distributed` is
+initialised from the environment (sharding.maybe_initialize_distributed: TPU pods and
+SLURM / Open MPI are detected; otherwise set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+JAX_PROCESS_ID).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GB = 1e9
+# Accelerator memory per device, decimal GB as the vendors state it (H100 SXM 80 GB, H200 141 GB,
+# TPU v5p 95 GB per chip, TPU v5e 16 GB per chip).
+HBM = {"h100": 80 * GB, "h200": 141 * GB, "v5p": 95 * GB, "v5e": 16 * GB}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    device: str  # a key of HBM
+    num_devices: int  # JAX devices (one per GPU / TPU chip)
+    num_hosts: int
+    mesh: dict  # sharding.MESH_AXES -> size
+
+
+PRESETS: dict[str, Preset] = {
+    "8xh100": Preset("h100", 8, 1, {"data": 1, "fsdp": 8, "tensor": 1}),
+    "8xh200": Preset("h200", 8, 1, {"data": 1, "fsdp": 8, "tensor": 1}),
+    # a v5p-8 slice is 4 chips (8 TensorCores, one JAX device per chip) on one host
+    "v5p-8": Preset("v5p", 4, 1, {"data": 1, "fsdp": 4, "tensor": 1}),
+    "v5e-16": Preset("v5e", 16, 4, {"data": 1, "fsdp": 4, "tensor": 4}),
+}
+
+
+DEFAULT = "8xh100"  # the paper's hardware
+
+
+def get(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    return PRESETS[name]
