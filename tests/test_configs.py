@@ -1,8 +1,11 @@
-"""Every config file loads, validates, and its model shards sensibly (built abstractly).
+"""Every config file and arm loads, validates, shards sensibly and (paper configs) fits its preset.
 
-Paths that only exist on a cluster (checkpoints, dataset dirs) are replaced by fakes: a
-directory with the model's config.json and an empty dataset directory, so `validate` runs its
-mesh, batch and precision checks instead of stopping at the first missing path.
+configs/*.py, configs/paper/*.py and configs/mini/*.py. Paths that only exist on a cluster
+(checkpoints, dataset dirs) and required placeholders are replaced by fakes: a directory with
+the named model's config.json, an empty dataset directory, the embedded model, so `validate`
+runs its mesh, batch and precision checks instead of stopping at the first missing path. The
+model, train state and sampler shardings are built abstractly (`jax.eval_shape`, an abstract
+mesh of the preset's shape: no weights, any device count).
 """
 
 import glob
@@ -11,52 +14,22 @@ import json
 import os
 
 import jax
+import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
-from ess_jax import experiment, model, sharding, weights
+from configs.paper import common as paper
+from ess_jax import experiment, memory, model, presets, sharding
+from ess_jax.optim import make_optimizer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIGS = sorted(
     p
-    for pattern in ("configs/*.py", "configs/paper/*.py")
+    for pattern in ("configs/*.py", "configs/paper/*.py", "configs/mini/*.py")
     for p in glob.glob(os.path.join(ROOT, pattern))
     if os.path.basename(p) not in ("__init__.py", "common.py")
 )
-
-# Qwen3-4B dimensions (the paper's model), built abstractly: no weights are allocated.
-QWEN3_4B = model.ModelConfig(
-    vocab_size=151936,
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_layers=36,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rope_theta=5e6,
-    tie_embeddings=True,
-    qk_norm=True,
-    family="qwen3",
-    dtype="bfloat16",
-)
-KNOWN_MODELS = {
-    "Qwen3-4B-Thinking-2507": QWEN3_4B,
-    "Qwen3-8B": QWEN3_4B.replace(
-        hidden_size=4096, intermediate_size=12288, rope_theta=1e6, tie_embeddings=False
-    ),
-    "Qwen2.5-1.5B": model.ModelConfig(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_layers=28,
-        num_heads=12,
-        num_kv_heads=2,
-        head_dim=128,
-        rope_theta=1e6,
-        tie_embeddings=True,
-        qkv_bias=True,
-        family="qwen2",
-    ),
-}
+LARGE = 2**20  # elements: a leaf this big must not be replicated on every device
 
 
 def load_module(path):
@@ -68,70 +41,99 @@ def load_module(path):
 
 
 def config_args(mod) -> list:
-    """Every arm a file offers: ARMS (each also as `ARM,tiny`), or None plus `tiny` when the
-    docstring promises `:tiny`."""
-    if hasattr(mod, "ARMS"):
-        return [a + s for a in mod.ARMS for s in ("", ",tiny")]
-    return [None] + (["tiny"] if ":tiny" in mod.__doc__ else [])
+    """Every arm a file offers: ARMS (paper arms also with `tiny`, the first and last on each
+    preset the file says it fits), or None plus `tiny` when the docstring promises `:tiny`."""
+    if not hasattr(mod, "ARMS"):
+        return [None] + (["tiny"] if ":tiny" in mod.__doc__ else [])
+    if "/paper/" not in mod.__file__:
+        return list(mod.ARMS)
+    return [a + suffix for a in mod.ARMS for suffix in ("", ",tiny")] + [
+        f"{a},{p}" for a in {mod.ARMS[0], mod.ARMS[-1]} for p in mod.PRESETS
+    ]
 
 
-def fake_checkpoint(source: str, tmp_path) -> str:
+def fake_checkpoint(source, tmp_path) -> str:
     """A directory holding only the config.json of the model `source` names."""
+    if source is None:  # a required placeholder (configs/mini: the seed's warm start)
+        return "embedded"
     if source in ("embedded", "smollm2") or os.path.exists(source):
         return source
     name = os.path.basename(source.rstrip("/"))
     fake = tmp_path / name
     fake.mkdir(exist_ok=True)
-    (fake / "config.json").write_text(json.dumps(weights.config_to_hf(KNOWN_MODELS[name])))
+    (fake / "config.json").write_text(json.dumps(memory.KNOWN_MODELS[name]))
     return str(fake)
 
 
-def with_fake_paths(c, tmp_path):
-    """Cluster-only paths -> fakes: an HF dir with the named model's config.json, an empty
-    dataset dir. Returns the ModelConfig the run would build (abstractly)."""
+def with_fakes(c, tmp_path):
     if c.task.manual_dir and not os.path.isdir(c.task.manual_dir):
         c.task.manual_dir = str(tmp_path / "data")
         os.makedirs(c.task.manual_dir, exist_ok=True)
     if c.rollout.external_fraction:
         c.rollout.external_checkpoint = fake_checkpoint(c.rollout.external_checkpoint, tmp_path)
-    source = c.model.source
-    if source == "embedded":
-        return _embedded_config(c)
-    c.model.source = fake_checkpoint(source, tmp_path)
-    return KNOWN_MODELS.get(os.path.basename(source.rstrip("/")))
+    c.model.source = fake_checkpoint(c.model.source, tmp_path)
+    return c
 
 
-def _embedded_config(c):
-    box = {}
+def preset_of(arg) -> presets.Preset | None:
+    name = (arg or "").partition(",")[2] or (presets.DEFAULT if arg else "")
+    return presets.PRESETS.get(name)
 
-    def build():
-        box["cfg"], params, _ = experiment.load_policy(c.model)
-        return params
 
-    jax.eval_shape(build)  # no weights allocated
-    return box["cfg"]
+def check_shardings(c, num_devices: int) -> None:
+    """Model, train state and sampler shardings on an abstract mesh of the config's shape:
+    no large param or optimizer leaf replicated; the sample layout has no FSDP axis."""
+    mesh = memory.abstract_mesh(sharding.mesh_shape(dict(c.mesh), num_devices))
+    cfg = memory.model_config(c.model)
+    params = model.abstract_params(cfg)
+    train_sh = sharding.param_shardings(cfg, mesh, "train")
+    tx = make_optimizer({**c.optim.to_dict(), "total_steps": 1})
+    opt = memory._optimizer_shapes(cfg, tuple(sorted(c.optim.to_dict().items())))
+    rep = NamedSharding(mesh, PartitionSpec())
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, s: s, opt, train_sh, transform_non_params=lambda _: rep
+    )
+    for tree, shardings in ((params, train_sh), (opt, opt_sh)):
+        for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+            if x.size >= LARGE and mesh.size > 1:
+                assert not s.is_fully_replicated, (x.shape, s)
+    for s in jax.tree.leaves(sharding.param_shardings(cfg, mesh, "sample")):
+        assert "fsdp" not in jax.tree.leaves(tuple(s.spec))  # no FSDP all-gathers per token
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
-def test_every_config_and_arm_validates_and_shards(path, tmp_path):
+def test_every_config_and_arm_validates_shards_and_fits(path, tmp_path, monkeypatch):
     """Catches: a config a user cannot launch (bad mesh / batch / precision / objective, an
-    arm its docstring promises but get_config ignores) and a rules table that leaves a large
-    parameter replicated on the config's mesh."""
+    arm its docstring promises but get_config ignores), a rules table that leaves a large
+    parameter or Adam moment replicated on the preset's mesh, and a paper preset whose
+    batching the memory planner says does not fit the device."""
     mod = load_module(path)
     configs = {arg: mod.get_config(arg) for arg in config_args(mod)}
     if "tiny" in configs:
         assert configs["tiny"].to_dict() != configs[None].to_dict(), "':tiny' is ignored"
     for arg, c in configs.items():
-        cfg = with_fake_paths(c, tmp_path)
-        experiment.validate(c)
-        if cfg is None:
-            continue
-        mesh = sharding.make_mesh(dict(c.mesh))
-        abstract = model.abstract_params(cfg)
-        train = sharding.param_shardings(cfg, mesh, "train")
-        for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(train)):
-            if x.size >= 2**20:
-                assert not s.is_fully_replicated, (path, arg, x.shape, s)
+        c = with_fakes(c, tmp_path)
+        preset = preset_of(arg)
+        n = preset.num_devices if preset else jax.device_count()
+        with monkeypatch.context() as m:
+            m.setattr(jax, "device_count", lambda n=n: n)  # the preset's slice, not this host
+            experiment.validate(c)
+        check_shardings(c, n)
+        if preset is not None:
+            plan = memory.plan(c, preset.num_devices, preset.device)
+            assert plan.fits, (arg, "\n".join(plan.lines()))
+
+
+def test_paper_arms_parse_and_reject_unknown_names():
+    """Catches: an arm or preset typo silently running the default."""
+    assert paper.parse("p3o,v5p-8", ("p3o",)) == ("p3o", "v5p-8")
+    assert paper.parse("p3o", ("p3o",)) == ("p3o", presets.DEFAULT)
+    with pytest.raises(ValueError, match="unknown arm"):
+        paper.parse("p3o_typo", ("p3o",))
+    with pytest.raises(ValueError, match="unknown preset"):
+        paper.parse("p3o,v5p-9", ("p3o",))
+    with pytest.raises(ValueError, match="does not fit"):
+        paper.parse("p3o,v5e-16", ("p3o",), fits=("8xh100",))
 
 
 def test_paper_configs_evaluate_on_a_held_out_split():
@@ -144,18 +146,26 @@ def test_paper_configs_evaluate_on_a_held_out_split():
                 assert c.eval.every == 0 or c.task.test_split != "train", (path, arg)
 
 
-@pytest.mark.parametrize("mesh_shape", [{"fsdp": 8}, {"data": 2, "fsdp": 2, "tensor": 2}])
-def test_paper_model_train_layout_shards_every_large_param(mesh_shape):
-    mesh = sharding.make_mesh(mesh_shape)
-    abstract = model.abstract_params(QWEN3_4B)
-    assert 3.9e9 < sum(x.size for x in jax.tree.leaves(abstract)) < 4.1e9
-    shardings = sharding.param_shardings(QWEN3_4B, mesh, "train")
-    for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
-        if x.size >= 2**20:
-            assert not s.is_fully_replicated, (x.shape, s)
-    sample = sharding.param_shardings(QWEN3_4B, mesh, "sample")
-    emb = sample["embed"].spec
-    assert "fsdp" not in jax.tree.leaves(tuple(emb))  # sampling layout: no FSDP all-gathers
+def test_known_models_have_the_papers_sizes():
+    """Catches: a typo in the planner's model table (the README's memory column uses it)."""
+    sizes = {
+        name: sum(
+            x.size for x in jax.tree.leaves(model.abstract_params(memory.model_config(_m(name))))
+        )
+        for name in memory.KNOWN_MODELS
+    }
+    assert 3.9e9 < sizes["Qwen3-4B-Thinking-2507"] < 4.1e9
+    assert 8.0e9 < sizes["Qwen3-8B"] < 8.4e9
+    assert 1.5e9 < sizes["Qwen2.5-1.5B"] < 1.6e9
+    assert 1.3e8 < sizes["SmolLM2-135M-Instruct"] < 1.4e8
+
+
+def _m(name):
+    from ess_jax.defaults import base_config
+
+    c = base_config().model
+    c.source = "/nonexistent/" + name
+    return c
 
 
 def test_every_objective_field_is_in_the_config_and_none_means_paper_default():
