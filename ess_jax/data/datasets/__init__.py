@@ -1,4 +1,5 @@
-"""Local-file datasets (GSM8K, DeepScaleR, MATH) as tfds array_record builders.
+"""Local-file datasets (GSM8K, DeepScaleR, MATH; AIME 2024 / 2025, AMC 2023, MATH-500 for
+held-out evaluation) as tfds array_record builders.
 
     ds = load_dataset("gsm8k", "/data/gsm8k", "train")   # builds once, then reuses
     ds[0] -> {"prompt", "answer", "demonstration", "task", "source", <dataset fields>}
@@ -22,6 +23,11 @@ BUILDERS: dict[str, str] = {
     "gsm8k": "ess_jax.data.datasets.gsm8k:Gsm8k",
     "deepscaler": "ess_jax.data.datasets.deepscaler:Deepscaler",
     "math": "ess_jax.data.datasets.math_dataset:Math",
+    # held-out evaluation sets (PAPER.md E6; tools/evaluate.py)
+    "aime24": "ess_jax.data.datasets.competition:Competition",
+    "aime25": "ess_jax.data.datasets.competition:Competition",
+    "amc23": "ess_jax.data.datasets.competition:Competition",
+    "math500": "ess_jax.data.datasets.math_dataset:Math",
 }
 
 # The instructions the public RL recipes append (verl's GSM8K preprocessing; DeepScaleR's),
@@ -31,6 +37,7 @@ PROMPT_TEMPLATES: dict[str, str] = {
     "gsm8k": '{question} Let\'s think step by step and output the final answer after "####".',
     "deepscaler": "{problem}" + _BOXED_INSTRUCTION,
     "math": "{problem}" + _BOXED_INSTRUCTION,
+    **{name: "{problem}" + _BOXED_INSTRUCTION for name in ("aime24", "aime25", "amc23", "math500")},
 }
 
 

@@ -1,0 +1,173 @@
+"""Held-out evaluation of any checkpoint (PAPER.md E6): pass@1..16 on AIME 2024, AIME 2025,
+AMC 2023 and MATH-500 at 4K and 16K new tokens, printed as the paper's table.
+
+    python tools/evaluate.py --checkpoint=runs/paper/e1/p3o/hf \
+        --data=aime24=/data/aime_2024,aime25=/data/aime25,amc23=/data/amc23,math500=/data/math500
+
+--checkpoint: a Hugging Face directory (model.source: a base model, or the `hf/` a run writes
+with --config.train.export_hf=True), or a run's workdir holding `hf/`. --data: benchmark=dir
+pairs, each dir holding the public release's file(s) named by split (test.jsonl, or
+train-00000-of-00001.parquet as HuggingFaceH4/aime_2024 ships it): the split used is `test`,
+else the only one there. Each problem gets k samples at the temperature (float32 sampler, the
+trainer's numerics); pass@j is the unbiased estimator from those k (Chen et al., 2021). The
+paper's evaluation temperature and sampling details are not public (0.6 here, Qwen3's default
+for thinking models). Every host of a multi-host slice runs the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+BENCHMARKS = {
+    "aime24": "AIME 2024",
+    "aime25": "AIME 2025",
+    "amc23": "AMC 2023",
+    "math500": "MATH-500",
+}
+
+
+def pass_table(correct_NxK: np.ndarray) -> dict[int, float]:
+    """{j: mean over problems of the unbiased pass@j} for j = 1, 2, 4, ... <= k samples."""
+    from ess_jax.evaluate import pass_at_k
+
+    n, k = correct_NxK.shape
+    hits = correct_NxK.sum(-1)
+    js = [2**i for i in range(k.bit_length()) if 2**i <= k]
+    return {j: float(np.mean([pass_at_k(k, int(c), j) for c in hits])) for j in js}
+
+
+def resolve_checkpoint(path: str) -> str:
+    if os.path.isfile(os.path.join(path, "config.json")) or path.endswith(".gguf"):
+        return path
+    hf = os.path.join(path, "hf")
+    if os.path.isfile(os.path.join(hf, "config.json")):
+        return hf
+    raise SystemExit(
+        f"{path}: not a Hugging Face checkpoint and no hf/ inside (a run writes one with "
+        "--config.train.export_hf=True)"
+    )
+
+
+def load_benchmark(name: str, directory: str, prompt_template: str | None = None) -> list[dict]:
+    from ess_jax.data import load_dataset
+    from ess_jax.data.datasets.records import find_split_files
+
+    splits = sorted(find_split_files(directory))
+    split = "test" if "test" in splits else splits[0]
+    if len(splits) > 1 and split != "test":
+        raise SystemExit(f"{directory}: several splits {splits} and no test split")
+    return list(load_dataset(name, directory, split, prompt_template=prompt_template))
+
+
+def evaluate_all(policy, tokenizer, stop_ids, benchmarks, args, reward=None) -> list[dict]:
+    """One row per (benchmark, token budget): problems, pass@j, mean response length. `reward`:
+    the math verifier unless given."""
+    import jax
+    import ml_collections
+
+    from ess_jax import evaluate as eval_lib
+    from ess_jax.rewards import get_reward
+
+    reward = reward or get_reward("math")
+    rows = []
+    for name, examples in benchmarks.items():
+        for budget in args.max_new_tokens:
+            results: list[bool] = []
+
+            def scored(text, ex, results=results):  # called per sample, row j * k + s
+                ok = reward(text, ex) >= 1.0
+                results.append(ok)
+                return float(ok)
+
+            ecfg = ml_collections.ConfigDict(
+                dict(num_examples=0, batch_size=args.batch_size, k=args.k,
+                     temperature=args.temperature, max_new_tokens=budget)
+            )  # fmt: skip
+            rng = jax.random.fold_in(jax.random.key(args.seed), budget)
+            out = eval_lib.evaluate(
+                policy, examples, tokenizer, scored, ecfg, stop_ids, rng, buckets=args.buckets
+            )
+            table = pass_table(np.array(results).reshape(len(examples), args.k))
+            rows.append(
+                {"benchmark": name, "problems": len(examples), "max_new_tokens": budget,
+                 **{f"pass@{j}": v for j, v in table.items()},
+                 "response_len": out["eval/response_len"]}
+            )  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """The paper's E6 layout: one row per benchmark and token budget, pass@1 ... pass@k."""
+    ks = [c for c in rows[0] if c.startswith("pass@")]
+    lines = [
+        "| benchmark | problems | max tokens | " + " | ".join(ks) + " | mean length |",
+        "|---|---|---|" + "---|" * len(ks) + "---|",
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r[k]:.3f}" for k in ks)
+        budget = (
+            f"{r['max_new_tokens'] // 1024}K"
+            if r["max_new_tokens"] >= 1024
+            else r["max_new_tokens"]
+        )
+        lines.append(
+            f"| {BENCHMARKS.get(r['benchmark'], r['benchmark'])} | {r['problems']} | {budget} | "
+            f"{cells} | {r['response_len']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data", required=True, help="name=dir,... names: " + ", ".join(BENCHMARKS))
+    p.add_argument("--max_new_tokens", default="4096,16384", help="token budgets, comma-separated")
+    p.add_argument("--k", type=int, default=16, help="samples per problem")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--batch_size", type=int, default=8, help="problems per sampler call")
+    p.add_argument("--buckets", default="128,256,512,1024,2048", help="prompt widths")
+    p.add_argument("--mesh", default="fsdp=-1", help="e.g. fsdp=4,tensor=2")
+    p.add_argument("--dtype", default="bfloat16", help="model compute dtype")
+    p.add_argument("--prompt_template", help="default: the dataset's ({problem} + boxed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    args.max_new_tokens = [int(t) for t in args.max_new_tokens.split(",")]
+    args.buckets = tuple(int(b) for b in args.buckets.split(","))
+    data = dict(item.split("=", 1) for item in args.data.split(","))
+    unknown = set(data) - set(BENCHMARKS)
+    if unknown:
+        p.error(f"unknown benchmarks {sorted(unknown)}; valid: {', '.join(BENCHMARKS)}")
+
+    from ess_jax import experiment, rollout, sampler, sharding
+    from ess_jax.defaults import base_config
+
+    sharding.maybe_initialize_distributed()
+    mesh_shape = {a: int(s) for a, s in (x.split("=") for x in args.mesh.split(","))}
+    mesh = sharding.make_mesh(mesh_shape)
+    config = base_config()
+    config.model.source = resolve_checkpoint(args.checkpoint)
+    config.model.dtype = args.dtype
+    cfg, params, tokenizer = experiment.load_policy(config.model, mesh)
+    # the sample layout once, not per sampler call
+    policy = rollout.PolicySource(cfg, sampler.sample_layout(cfg, params, mesh), 0)
+    benchmarks = {n: load_benchmark(n, d, args.prompt_template) for n, d in data.items()}
+    rows = evaluate_all(policy, tokenizer, experiment.stop_ids(config, tokenizer), benchmarks, args)
+    print(format_table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
