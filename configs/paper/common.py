@@ -91,11 +91,13 @@ def finish(c, preset: str, min_tensor: int = 1):
         c.model.dtype = "float32"
         c.model.logits_chunk = 0
         c.data.prompts_per_step = 8  # 32 sequences: divisible by 4 updates x 8 fake devices
+        c.data.buckets = (128, 256)
         c.rollout.max_new_tokens = 16
         if c.rollout.external_fraction:
             c.rollout.external_checkpoint = "smollm2"
         c.train.steps = 2
-        c.train.num_microbatches = 1
+        # 8 sequences per micro-batch (~5 GB of activations on one CPU device)
+        c.train.num_microbatches = max(1, 32 // c.train.updates_per_batch // 8)
         c.train.checkpoint_every = 1
         c.eval.every = 0
         c.eval.max_new_tokens = 16
