@@ -41,7 +41,12 @@ def _verbose(argv=()) -> bool:
 
 def _exit(msg: str) -> None:
     print("error: " + " ".join(msg.split()), file=sys.stderr)  # one line
-    sys.exit(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: a failed orbax restore can leave asyncio tasks whose teardown at interpreter
+    # exit prints "Event loop is closed" tracebacks under the one-line error. The run's own
+    # cleanup (checkpoint wait, workdir lock) has already happened in train.run's finally.
+    os._exit(2)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
