@@ -197,10 +197,14 @@ def check(result: str) -> int:
     if new == old:
         print(f"same metrics: {len(old)} rows equal (timing fields aside)")
         return 0
+    for kind, test in (("train", "reward_mean"), ("eval", "eval/pass@1")):
+        a, b = [r for r in old if test in r], [r for r in new if test in r]
+        same = sum(x == y for x, y in zip(a, b))
+        print(f"{kind} rows: {same} of {len(a)} committed rows equal ({len(b)} rerun)")
     diff = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
     print(
-        f"DIFFERENT: {len(old)} committed rows vs {len(new)} rerun; first difference at row "
-        f"{diff}:\n  committed {old[diff] if diff < len(old) else None}\n"
+        f"DIFFERENT: first difference at row {diff}:\n"
+        f"  committed {old[diff] if diff < len(old) else None}\n"
         f"  rerun     {new[diff] if diff < len(new) else None}"
     )
     return 1
