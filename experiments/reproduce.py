@@ -96,10 +96,20 @@ def warm_jobs(job: Job) -> list[Job]:
     return [Job("warm", kind, job.seed) for kind in kinds]
 
 
+def code_version() -> str:
+    """The commit the sweep runs at, "+dirty" when ess_jax/ or configs/ have uncommitted changes
+    (then the numbers may not be reproducible from any commit)."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+    commit = git("rev-parse", "HEAD").strip() or "unknown"
+    dirty = git("status", "--porcelain", "--", "ess_jax", "configs").strip()
+    return commit + ("+dirty" if dirty else "")
+
+
 def command_txt(job: Job, sets: tuple[str, ...] = ()) -> str:
     """The commands that reproduce `job`'s metrics from a fresh clone (README install first)."""
     py = ".venv/bin/python -m ess_jax.main"
     lines = [
+        f"# Code: {code_version()} (check this commit out first: other code may differ).",
         "# From the root of a fresh clone after `bash tools/install.sh`; {workdir}: an empty dir.",
         "# The metrics land in {workdir}/run/metrics.jsonl (timing fields differ run to run).",
         f'export XLA_FLAGS="{XLA_FLAGS}"',
