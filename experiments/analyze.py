@@ -29,6 +29,8 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # configs.mini, for the experiments' declared arm order
 WINDOW = 10
 # Per-step fields that measure time, not the run: they differ between two identical runs.
 TIMING_KEYS = ("tokens_per_s", "sample_s", "step_s")
@@ -84,7 +86,6 @@ def run_summary(run: dict) -> dict:
 def arm_order(experiment: str, arms: list[str]) -> list[str]:
     """The experiment file's ARMS order when it is importable, else sorted."""
     try:
-        sys.path.insert(0, ROOT)
         declared = list(importlib.import_module(f"configs.mini.{experiment}").ARMS)
     except (ImportError, AttributeError):
         declared = []

@@ -14,7 +14,7 @@ fresh clone, `{workdir}` standing for any empty directory) go to
 
 Runs are deterministic on the CPU: every process uses one XLA thread (XLA_FLAGS below), so two
 jobs use two cores without competing, and a rerun of the command gives the same metrics
-(timing fields aside, see analyze.TIMING_KEYS).
+(timing fields aside: analyze.TIMING_KEYS).
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]  # configs.mini; analyze
+
+from analyze import TIMING_KEYS  # noqa: E402
+
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 # Experiments in the order they run (each completes all its seeds before the next starts).
 EXPERIMENTS = (
@@ -62,7 +66,6 @@ class Job:
 def arms_of(experiment: str) -> tuple[str, ...]:
     if experiment not in EXPERIMENTS:
         raise SystemExit(f"unknown experiment {experiment!r}; valid: {', '.join(EXPERIMENTS)}")
-    sys.path.insert(0, ROOT)
     return importlib.import_module(f"configs.mini.{experiment}").ARMS
 
 
@@ -190,9 +193,8 @@ def plan(experiments, arms, seeds, results) -> list[Job]:
 
 def deterministic_rows(path: str) -> list[dict]:
     """A metrics.jsonl's rows without the timing fields (they differ between identical runs)."""
-    timing = ("tokens_per_s", "sample_s", "step_s")
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    return [{k: v for k, v in r.items() if k not in timing} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 
 def check(result: str) -> int:

@@ -11,9 +11,9 @@ runs every arm and seed (warm starts included); one arm by hand, after its seed'
         --workdir=runs/mini/e1b_clip_sweep_fp8/p3o/0
 """
 
-from configs.mini import common
+from configs.mini import common, e1_clip_sweep
 
-ARMS = ("grpo_eps0.2", "grpo_eps0.4", "grpo_eps0.6", "dapo", "cispo", "gspo", "p3o", "p3o_dual")
+ARMS = e1_clip_sweep.ARMS
 
 
 def get_config(arg: str | None = None):
