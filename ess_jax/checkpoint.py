@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from typing import Any
 
 import jax
@@ -39,6 +40,32 @@ COMMIT_MARKER = "commit_success.txt"  # written by orbax just before the final r
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint step that exists but cannot be read (uncommitted, truncated, corrupted)."""
+
+
+def _quiet_late_read_callbacks() -> None:
+    """Install (once) a sys.unraisablehook that silences one known, harmless orbax echo.
+
+    When one array read of a restore fails, orbax's event loop closes while the step's other
+    tensorstore reads are still in flight; each of them then completes into
+    `loop.call_soon_threadsafe`, which raises "Event loop is closed" in a tensorstore thread,
+    and the default hook prints that traceback, racing the one-line `CheckpointError`
+    (2-7 tracebacks per failed restore). Only that exact RuntimeError is dropped (to the debug
+    log); everything else goes to the previous hook. It stays installed, since the late
+    callbacks may land after `restore` has raised.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "ess_jax_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        e = unraisable.exc_value
+        if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+            logging.debug("late tensorstore read callback after a failed restore: %s", e)
+        else:
+            previous(unraisable)
+
+    hook.ess_jax_quiet = True
+    sys.unraisablehook = hook
 
 
 def _brief(e: BaseException) -> str:
@@ -349,6 +376,7 @@ class Checkpointer:
         if saved_tree is None:
             raise CheckpointError(f"{where} is truncated or corrupted: no array metadata")
         _check_tree(_flat(saved_tree), _flat(target), where)
+        _quiet_late_read_callbacks()
         try:
             restore_args = ocp.checkpoint_utils.construct_restore_args(target)
             out = self._mngr.restore(
