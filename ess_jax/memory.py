@@ -190,7 +190,7 @@ def embedding_bytes(cfg, mesh, dtype) -> int:
 
 def optimizer_bytes(cfg, mesh, optim: dict) -> int:
     """Per-device bytes of the AdamW state of `config.optim`: moments take their param's
-    layout (as train.init_state places them), scalars are replicated."""
+    layout (as steps.init_state places them), scalars are replicated."""
     from ess_jax.optim import make_optimizer
 
     items = tuple(sorted(optim.items()))

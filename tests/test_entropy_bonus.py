@@ -13,7 +13,7 @@ import pytest
 from test_offpolicy_exact import _start
 from test_train import tiny_config
 
-from ess_jax import accumulate, train
+from ess_jax import accumulate, steps
 from ess_jax import model as model_lib
 
 BETA = 0.05
@@ -31,7 +31,7 @@ def _mean_entropy(cfg, params, mb):
 
 def test_entropy_bonus_is_the_real_entropy_with_its_gradient(tmp_path, monkeypatch):
     run = _start(tiny_config(**{"objective.beta_ent": BETA}), tmp_path)
-    real_make, real_accumulate, seen = train.make_rl_step, accumulate.step_loss_and_grad, {}
+    real_make, real_accumulate, seen = steps.make_rl_step, accumulate.step_loss_and_grad, {}
 
     def make_rl_step(*args, **kwargs):
         step_fn = real_make(*args, **kwargs)
@@ -48,7 +48,7 @@ def test_entropy_bonus_is_the_real_entropy_with_its_gradient(tmp_path, monkeypat
         seen["logp_fn"] = logp_fn  # the trainer's log-prob function (captured while tracing)
         return real_accumulate(logp_fn, *args, **kwargs)
 
-    monkeypatch.setattr(train, "make_rl_step", make_rl_step)
+    monkeypatch.setattr(steps, "make_rl_step", make_rl_step)
     monkeypatch.setattr(accumulate, "step_loss_and_grad", step_loss_and_grad)
     run.rl_step(0)
     params, mb, m = seen["params"], seen["mb"], seen["metrics"]

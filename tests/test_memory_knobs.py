@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from ess_jax import model, rollout, sharding, train
+from ess_jax import model, rollout, sharding, steps
 from ess_jax.data import char_tokenizer
 
 CFG = model.ModelConfig(
@@ -60,6 +60,6 @@ def test_chunked_scoring_pass_equals_one_pass():
     mask = np.ones((32, 12), bool)
     mask[::3, :2] = False
     batch = sharding.shard_batch({"tokens": tokens, "attn_mask": mask}, mesh)
-    chunked = train._score_fn(CFG, 4, mesh, 4)(params, batch)
+    chunked = steps.score_fn(CFG, 4, mesh, 4)(params, batch)
     whole = np.asarray(model.token_logprobs(CFG, params, tokens, mask))[:, 4:]
     np.testing.assert_allclose(np.asarray(chunked), whole, atol=1e-5)

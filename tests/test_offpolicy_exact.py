@@ -175,7 +175,7 @@ def test_prox_snapshot_is_start_of_batch_for_all_updates(tmp_path, monkeypatch, 
         }
     )
     run = _start(config, tmp_path)
-    real_make, updates = train.make_rl_step, []
+    real_make, updates = steps.make_rl_step, []
 
     def make_rl_step(*args, **kwargs):
         step_fn = real_make(*args, **kwargs)
@@ -188,7 +188,7 @@ def test_prox_snapshot_is_start_of_batch_for_all_updates(tmp_path, monkeypatch, 
 
         return recorded
 
-    monkeypatch.setattr(train, "make_rl_step", make_rl_step)
+    monkeypatch.setattr(steps, "make_rl_step", make_rl_step)
     for s in range(steps):
         run.rl_step(s)
     assert len(updates) == steps * n_upd

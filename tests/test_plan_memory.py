@@ -1,7 +1,7 @@
 """The memory planner (ess_jax/memory.py, tools/plan_memory.py) against XLA's own numbers.
 
 XLA's number is argument + output + temp - alias bytes of `compiled.memory_analysis()` (per
-device) of the real train step (train.make_rl_step on an abstract train state) and of the
+device) of the real train step (steps.make_rl_step on an abstract train state) and of the
 sampler's prefill and decode programs, on 1 and 8 fake CPU devices, with and without
 `logits_chunk`. XLA:CPU's default scheduler runs independent ops concurrently at the cost of
 memory (up to 2x here); accelerator backends schedule for memory, so the programs are compiled
@@ -48,7 +48,7 @@ def _train_case(case):
     import jax
     import jax.numpy as jnp
 
-    from ess_jax import memory, model, objectives, sharding, train
+    from ess_jax import memory, model, objectives, sharding, steps
     from ess_jax.optim import make_optimizer
 
     cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
@@ -67,7 +67,7 @@ def _train_case(case):
         k: jax.ShapeDtypeStruct((b, t if k in ("tokens", "attn_mask") else t - p), dt, sharding=bsh)
         for k, dt in batch.items()
     }
-    step = train.make_rl_step(cfg, tx, objectives.ObjectiveConfig(), 1, p, state_sh, bsh)
+    step = steps.make_rl_step(cfg, tx, objectives.ObjectiveConfig(), 1, p, state_sh, bsh)
     xla = _xla_total(step.lower(state, batch).compile())
     amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": case["devices"]}, case["devices"]))
     terms = memory.train_terms(cfg, amesh, b, t)
@@ -87,7 +87,7 @@ def _abstract_state(params, tx):
     import jax
     import optax
 
-    from ess_jax import train
+    from ess_jax import steps
 
     mesh = jax.tree.leaves(params)[0].sharding.mesh
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -97,7 +97,7 @@ def _abstract_state(params, tx):
     )
     opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt, opt_sh)
     scalar = jax.ShapeDtypeStruct((), "int32", sharding=rep)
-    state = train.TrainState(params, opt, scalar, scalar)
+    state = steps.TrainState(params, opt, scalar, scalar)
     return state, jax.tree.map(lambda x: x.sharding, state)
 
 
