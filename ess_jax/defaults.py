@@ -66,7 +66,12 @@ def base_config() -> ml_collections.ConfigDict:
     # placeholder) means the objective's own default (DAPO / GSPO clips from their papers).
     c.objective = ml_collections.ConfigDict()
     c.objective.name = "p3o"  # p3o | p3o_dual | grpo | dapo | cispo | gspo | gspo_token | ...
-    c.objective.ess_scope = "step"  # step (micro-batch invariant) | microbatch (reference code)
+    # Statistics each micro-batch's loss uses (train.num_microbatches > 1; all agree at 1):
+    #   step: ESS and token count of the whole optimizer step (micro-batch / device invariant)
+    #   microbatch: the reference code's default: ESS per micro-batch (pooled over devices),
+    #     divided by the token count of the whole optimizer step
+    #   microbatch_local: ESS and token count per micro-batch, mean over micro-batches
+    c.objective.ess_scope = "step"
     c.objective.kl_estimator = "k3"
     c.objective.ref_kl_estimator = "k3"
     c.objective.aggregation = "token_mean"

@@ -4,8 +4,10 @@ Not a config file itself. Setup as the paper states it: Qwen3-4B-Thinking-2507 o
 binary math-answer verifier, one optimizer step per rollout batch, lr 1e-5, n = 4 samples per
 prompt, 256 prompts per step, ~35 steps, 4K new tokens, BF16 training compute (float32 masters)
 with a BF16 sampler. Unknown from public sources (left at ess_jax defaults or guesses, per
-file): seeds (seed 0 here), the exact lr / batch per run, ESS scope (step here, micro-batch in
-the reference code), full vs sampled KL (k3 here), the in-run eval set and temperature.
+file): seeds (seed 0 here), the exact lr / batch per run, ESS scope (step here, micro-batch
+invariant; `--config.objective.ess_scope=microbatch` is the reference code's default: ESS per
+micro-batch, loss divided by the step's token count), full vs sampled KL (k3 here), the in-run
+eval set and temperature.
 
 The manual dir holds DeepScaleR as `train.json` (the public `deepscaler.json`, renamed) and a
 held-out `test.jsonl` for the in-run eval: MATH-500 (fields problem / answer). DeepScaleR has
