@@ -106,6 +106,7 @@ DOMAINS: dict[str, Domain] = {
     "rollout.stop_ids": _ints(0),
     "rollout.overlong_buffer": _ints(0),
     "rollout.sample_microbatches": _ints(1),
+    "rollout.max_resample_rounds": _ints(0),
     "objective.constant_normalizer": _POS,
     "objective.clip_eps_low": Domain(lo=0.0, optional=True),
     "objective.clip_eps_high": Domain(lo=0.0, optional=True),

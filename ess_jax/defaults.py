@@ -59,6 +59,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.stop_ids = ()  # () -> the tokenizer's EOS (and chat end tokens)
     c.rollout.advantage_mode = "grpo"  # grpo | drgrpo | rloo
     c.rollout.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
+    # with dynamic_sampling: > 0 refills the dropped groups from up to this many extra rounds
+    # of fresh prompts (DAPO's resampling); 0 masks them out (ess_jax/dynamic_sampling.py)
+    c.rollout.max_resample_rounds = 0
     c.rollout.sample_microbatches = 1  # sample the rollout batch in this many sampler calls
     c.rollout.overlong_buffer = 0  # DAPO soft overlong penalty buffer (tokens); 0: off
 
