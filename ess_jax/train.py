@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from ess_jax import dynamic_sampling, experiment, steps
 from ess_jax import evaluate as eval_lib
-from ess_jax import experiment, steps
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
 from ess_jax import rollout as rollout_lib
@@ -249,9 +249,9 @@ class Run:
         self._step_start = (self.batcher.state(), int(self.state.step))
         version, params_b = self.history.behaviour()
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
-        rollout, metrics = rollout_lib.collect(
+        rollout, metrics = dynamic_sampling.collect_batch(
             rollout_lib.PolicySource(self.cfg, params_b, version),
-            next(self.batcher),
+            self.batcher,
             self.tokenizer,
             self.reward_fn,
             self.rollout_cfg,
