@@ -211,7 +211,7 @@ def run(s: Sizes, compile_torch: bool = True) -> dict:
     probe = np.random.default_rng(0).integers(1, s.vocab, (2, min(s.train_seq, 32)))
     diff = max_logit_diff(hf, cfg, params, probe)
     if not diff <= 1e-3:
-        raise SystemExit(f"the two sides do not run the same model: max |logit diff| = {diff}")
+        raise RuntimeError(f"the two sides do not run the same model: max |logit diff| = {diff}")
     n_params = model.num_params(params)
     say = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)
     say(f"llama, {n_params:,} params, max |logit diff| {diff:.1e}; matmul ceiling")

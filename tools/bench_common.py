@@ -93,7 +93,8 @@ class Sizes:
 
 
 def hf_llama(s: Sizes):
-    """A randomly initialised Hugging Face LlamaForCausalLM (torch seed 0), float32, eval mode."""
+    """A random Hugging Face LlamaForCausalLM (torch seed 0), float32, eval mode: matrices
+    N(0, 1 / fan_in), norm weights 1 + N(0, 0.2^2) (as tests/test_model.py)."""
     import torch
     import transformers
 
@@ -114,7 +115,16 @@ def hf_llama(s: Sizes):
         eos_token_id=None,
     )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    # HF's init (std 0.02) leaves attention nearly uniform, so a wrong q or k would barely
+    # move the logits; unit-scale weights make the parity check see every tensor.
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return hf
 
 
 def one_device_mesh():

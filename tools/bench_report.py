@@ -147,7 +147,9 @@ def tables(res: dict, s: Sizes) -> str:
         _row("max abs logit diff, torch vs ess_jax (same weights)", f"{chk['logits']:.1e}")
     )
     for peer, rel in chk["first_loss_rel"].items():
-        lines.append(_row(f"first-step loss, |{peer} - ess_jax| / max(1, |ess_jax|)", f"{rel:.1e}"))
+        lines.append(
+            _row(f"first-step loss, {peer} vs ess_jax: abs diff / max(1, loss)", f"{rel:.1e}")
+        )
     lines.append(_row("XLA compilations while timing", len(chk["compiles_while_timed"])))
     return "\n".join(lines)
 
