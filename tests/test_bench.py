@@ -1,0 +1,117 @@
+"""tools/bench.py: its smoke run (--quick --tiny) writes the headline ratios, both sides of
+each comparison hold the same model and do the same work, and the FLOP count behind MFU
+counts every matmul weight. No timing is asserted: on a shared CPU timings mean nothing.
+torch.compile is left out here (--no-compile): its cold compile alone takes minutes.
+"""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import bench  # noqa: E402  (tools/bench.py)
+import bench_common  # noqa: E402
+
+HEADLINE = ("train_vs_torch", "train_mfu", "decode_vs_hf_b32", "decode_len_scaling")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    pytest.importorskip("torch")  # the peers are PyTorch models
+    path = tmp_path_factory.mktemp("bench")
+    argv = ["--quick", "--tiny", "--no-compile", "--json", str(path / "b.json")]
+    bench.main([*argv, "--md", str(path / "B.md")])
+    out = json.loads((path / "b.json").read_text())
+    out["markdown"] = (path / "B.md").read_text()
+    return out
+
+
+def test_smoke_run_writes_the_headline_ratios_from_its_measurements(smoke):
+    """Catches a headline key missing, NaN / inf or <= 0 (a section that measured nothing), a
+    ratio wired upside down or to the wrong measurement (recomputed here from the recorded
+    medians), and recompilation inside the timed loops (it would be timed as work)."""
+    for key in HEADLINE:
+        assert math.isfinite(smoke[key]) and smoke[key] > 0, (key, smoke[key])
+    assert math.isfinite(smoke["ess_overhead"]) and smoke["ess_overhead"] > -1
+    d, sz = smoke["details"], smoke["sizes"]
+    train = d["train"]["seconds"]
+    assert set(train) == {"ess_jax", "torch_eager"}
+    assert np.isclose(smoke["train_vs_torch"], train["torch_eager"] / train["ess_jax"])
+    ceiling = max(max(v.values()) for v in d["gemm"].values())
+    mfu = d["train"]["flops_per_step"] / train["ess_jax"] / (ceiling * 1e9)
+    assert np.isclose(smoke["train_mfu"], mfu)
+    b, n = str(max(sz["decode_batches"])), 2 * sz["gen"]
+    dec = d["decode"]["results"]["sampled"][b]
+    assert np.isclose(
+        smoke["decode_vs_hf_b32"], dec["hf"][f"decode@{n}"] / dec[f"ess_jax@{n}"]["decode"]
+    )
+    rl = d["rl"]["parts"]
+    assert np.isclose(smoke["ess_overhead"], rl["p3o M=1"]["step"] / rl["grpo M=1"]["step"] - 1)
+    assert d["checks"]["compiles_while_timed"] == []
+    md = smoke["markdown"]  # the report: command, versions, the table, the same headline
+    assert "--quick --tiny --no-compile" in md and "transformers " in md
+    assert "| train step, 4 x 16 tokens, P3O + AdamW |" in md
+    assert json.loads(md.split("```json")[1].split("```")[0])["train_mfu"] == smoke["train_mfu"]
+
+
+def test_both_sides_start_from_the_same_model_and_loss(smoke):
+    """Catches a peer given other weights (a wrong export / import, another init seed, a torch
+    copy taken after ess_jax updated) or another loss than P3O: the table would then compare
+    two different computations. The bench's own checks, on the objects it timed."""
+    checks = smoke["details"]["checks"]
+    assert checks["logits"] < 1e-4
+    assert checks["first_loss_rel"]["torch_eager"] < 1e-4
+
+
+def test_identical_weights_and_matmul_param_count_independently():
+    """Catches the same bugs as above should the bench's own check be broken (it compares
+    torch with torch, say), and a FLOP count behind MFU that misses a matrix: every param of
+    the loaded model is a matmul weight except the input embedding and the norm vectors."""
+    torch = pytest.importorskip("torch")
+    import jax
+
+    from ess_jax import model
+
+    s = bench.tiny(bench.QUICK)
+    mesh = bench_common.one_device_mesh()
+    hf, cfg, params = bench_common.build_models(s, mesh)
+    tokens = np.random.default_rng(1).integers(1, s.vocab, (3, 12))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(tokens)).logits.numpy().astype(np.float64)
+    ours = np.asarray(model.apply(cfg, params, tokens), np.float64)
+    assert np.max(np.abs(ours - ref)) < 1e-4
+    # the check can fail: q off by 5% (a wrong scale on import) moves the logits measurably
+    off = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 1.05 if getattr(path[-1], "key", None) == "q" else x, params
+    )
+    assert np.max(np.abs(np.asarray(model.apply(cfg, off, tokens)) - ref)) > 1e-2
+    norms = (2 * s.layers + 1) * s.dim
+    assert bench_common.matmul_params(s) == model.num_params(params) - s.vocab * s.dim - norms
+    # hand count at these sizes (D=32 F=64 L=2 H=4 N=2 K=8 V=256, B=4, T=16):
+    # N = 2 * (32*32 + 2*32*16 + 32*32 + 3*32*64) + 256*32 = 26624
+    # 6 * N * 64 + 12 * L * H * K * T * 64 = 10223616 + 786432
+    assert bench_common.train_flops(s, 4, 16) == 10223616 + 786432
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--set", "nope=3"], "NAME one of"),
+        (["--set", "gen=x"], "gen takes integers"),
+        (["--set", "gen=1"], "sizes.gen=1"),
+        (["--set", "microbatches=1,3"], "3 does not divide"),
+        (["--set", "decode_modes=greedy,beam"], "sizes.decode_modes"),
+        (["--set", "rl_objectives=p3o"], "must hold p3o and grpo"),
+    ],
+)
+def test_bad_sizes_are_refused_naming_the_field(argv, message):
+    """Catches a bad --set that is accepted and fails minutes later (or measures the wrong
+    thing), or an error that does not say which size is wrong."""
+    with pytest.raises(SystemExit, match=message):
+        bench.parse_args(argv)

@@ -1,0 +1,223 @@
+"""Part of tools/bench.py: the headline ratios (its --json), the tables it prints, and
+BENCHMARKS.md (machine, versions, command, tables)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+
+from bench_common import Sizes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ceiling_gflops(res: dict) -> float:
+    """The machine's float32 matmul ceiling: the best median over libraries and sizes."""
+    return max(v for lib in res["gemm"].values() for v in lib.values())
+
+
+def _decode_at(res: dict, s: Sizes, mode: str, b: int) -> dict:
+    """Seconds per decode step ("jax@n", "hf@n") and prefill seconds, for n in (L, 2L)."""
+    d = res["decode"]["results"][mode][str(b)]
+    out = {}
+    for n in (s.gen, 2 * s.gen):
+        out[f"jax@{n}"] = d[f"ess_jax@{n}"]["decode"] / (n - 1)
+        out[f"hf@{n}"] = d["hf"][f"decode@{n}"] / (n - 1)
+        out[f"jax_prefill@{n}"] = d[f"ess_jax@{n}"]["prefill"]
+    out["hf_prefill"] = d["hf"]["prefill"]
+    return out
+
+
+def headline(res: dict, s: Sizes) -> dict:
+    """The --json ratios. train_vs_torch: ess_jax train tokens/s over the best PyTorch peer's
+    (torch.compile where it compiled); train_mfu: ess_jax's model FLOPs/s over the ceiling;
+    decode_vs_hf_b32: sampler decode tokens/s over `generate`'s at the largest decode batch
+    (32 unless --tiny), sampled if measured, budget 2L; decode_len_scaling: the sampler's
+    time per decode step at 2L over L there; ess_overhead: P3O full RL step time over
+    GRPO's - 1 at the fewest micro-batches (ess_overhead_m<M> at each other count)."""
+    tr = res["train"]["seconds"]
+    peers = {k: v for k, v in tr.items() if k != "ess_jax"}
+    mode = "sampled" if "sampled" in s.decode_modes else s.decode_modes[0]
+    d = _decode_at(res, s, mode, max(s.decode_batches))
+    two_l = 2 * s.gen
+    ms = sorted(s.microbatches)
+    out = {
+        "train_vs_torch": min(peers.values()) / tr["ess_jax"],
+        "train_mfu": res["train"]["flops_per_step"] / tr["ess_jax"] / (ceiling_gflops(res) * 1e9),
+        "decode_vs_hf_b32": d[f"hf@{two_l}"] / d[f"jax@{two_l}"],
+        "decode_len_scaling": d[f"jax@{two_l}"] / d[f"jax@{s.gen}"],
+        "ess_overhead": res["rl"]["ess_overhead"][str(ms[0])]["step"],
+    }
+    out.update({f"ess_overhead_m{m}": res["rl"]["ess_overhead"][str(m)]["step"] for m in ms[1:]})
+    out["train_vs_torch_eager"] = tr["torch_eager"] / tr["ess_jax"]
+    return out
+
+
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def tables(res: dict, s: Sizes) -> str:
+    """The results as markdown tables: ratios are ess_jax over the peer (> 1: ess_jax ahead)."""
+    lines = [_row("what", "ess_jax", "peer", "ratio"), _row(*["---"] * 4)]
+    for n, jax_gf in res["gemm"]["jax"].items():
+        torch_gf = res["gemm"]["torch"][n]
+        lines.append(
+            _row(
+                f"float32 GEMM, {n}^2",
+                f"{jax_gf:.3g} GFLOP/s",
+                f"torch {torch_gf:.3g}",
+                f"{jax_gf / torch_gf:.2f}",
+            )
+        )
+    ceiling = ceiling_gflops(res) * 1e9
+    tr = res["train"]
+    tokens, flops = tr["tokens_per_step"], tr["flops_per_step"]
+    jt = tr["seconds"]["ess_jax"]
+    what = f"train step, {s.train_batch} x {s.train_seq} tokens, P3O + AdamW"
+    ours = f"{tokens / jt:,.0f} tok/s, MFU {flops / jt / ceiling:.0%}"
+    for peer, label in (("torch_eager", "torch eager"), ("torch_compile", "torch.compile")):
+        if peer in tr["seconds"]:
+            t = tr["seconds"][peer]
+            mfu = flops / t / ceiling
+            lines.append(
+                _row(what, ours, f"{label} {tokens / t:,.0f} tok/s, MFU {mfu:.0%}", f"{t / jt:.2f}")
+            )
+        elif peer in tr["errors"]:
+            lines.append(_row(what, ours, f"{label}: failed ({tr['errors'][peer][:80]})", ""))
+        what = ours = ""
+    for mode in s.decode_modes:
+        for b in s.decode_batches:
+            d = _decode_at(res, s, mode, b)
+            ptok = b * s.prompt
+            lines.append(
+                _row(
+                    f"prefill, {mode}, batch {b} x {s.prompt} tokens",
+                    f"{ptok / d[f'jax_prefill@{s.gen}']:,.0f} tok/s "
+                    f"(budget 2L: {ptok / d[f'jax_prefill@{2 * s.gen}']:,.0f})",
+                    f"generate {ptok / d['hf_prefill']:,.0f} tok/s",
+                    f"{d['hf_prefill'] / d[f'jax_prefill@{s.gen}']:.2f}",
+                )
+            )
+            for n in (s.gen, 2 * s.gen):
+                j, h = d[f"jax@{n}"], d[f"hf@{n}"]
+                lines.append(
+                    _row(
+                        f"decode, {mode}, batch {b}, {n} new tokens",
+                        f"{b / j:,.0f} tok/s, {1e3 * j:.1f} ms/step",
+                        f"generate {b / h:,.0f} tok/s, {1e3 * h:.1f} ms/step",
+                        f"{h / j:.2f}",
+                    )
+                )
+            two_l = 2 * s.gen
+            lines.append(
+                _row(
+                    f"decode ms/step at {two_l} over {s.gen} new tokens, {mode}, batch {b}",
+                    f"{d[f'jax@{two_l}'] / d[f'jax@{s.gen}']:.2f}",
+                    f"generate {d[f'hf@{two_l}'] / d[f'hf@{s.gen}']:.2f}",
+                    "",
+                )
+            )
+    rl = res["rl"]
+    parts = ("sampling", "reward", "old_logp", "update", "step")
+    lines += [
+        "",
+        _row(
+            f"RL step, {s.rl_prompts} prompts x {s.rl_group} samples, prompt {s.rl_prompt}, "
+            f"{s.rl_gen} new tokens (ms)",
+            *parts,
+            "sampling share",
+        ),
+        _row(*["---"] * (len(parts) + 2)),
+    ]
+    for label, p in rl["parts"].items():
+        lines.append(
+            _row(label, *(f"{1e3 * p[k]:.0f}" for k in parts), f"{p['sampling'] / p['step']:.0%}")
+        )
+    lines += ["", _row("ESS objective overhead, P3O / GRPO - 1", "full RL step", "update only")]
+    lines.append(_row(*["---"] * 3))
+    for m, o in rl["ess_overhead"].items():
+        lines.append(_row(f"{m} micro-batch(es)", f"{o['step']:+.1%}", f"{o['update']:+.1%}"))
+    lines += ["", _row("check", "value"), _row("---", "---")]
+    chk = res["checks"]
+    lines.append(
+        _row("max abs logit diff, torch vs ess_jax (same weights)", f"{chk['logits']:.1e}")
+    )
+    for peer, rel in chk["first_loss_rel"].items():
+        lines.append(
+            _row(f"first-step loss, {peer} vs ess_jax: abs diff / max(1, loss)", f"{rel:.1e}")
+        )
+    lines.append(_row("XLA compilations while timing", len(chk["compiles_while_timed"])))
+    return "\n".join(lines)
+
+
+def _version(mod: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(mod)
+    except Exception:
+        return "not installed"
+
+
+def environment(argv: list[str]) -> dict:
+    """Machine, library versions, commit and load: what a reader needs to trust the table."""
+    import jax
+
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "-C", ROOT, "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "?"
+    libs = ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers")
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "jax_devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "python": platform.python_version(),
+        "versions": {m: _version(m) for m in libs},
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["python", "tools/bench.py", *argv]),
+    }
+
+
+def markdown(res: dict, s: Sizes, env: dict, head: dict) -> str:
+    vers = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
+    return f"""# Benchmarks
+
+Written by `tools/bench.py`; rerun the command below on a quiet machine to replace this file.
+Both sides run the same Llama weights (initialised by Hugging Face, loaded by ess_jax's
+loader) on the same batches, in float32; every figure is a median over {s.repeats} repeats
+after {s.warmup} warm-up call(s). Ratios are ess_jax over the peer (above 1: ess_jax ahead).
+
+- command: `{env["command"]}`
+- commit: {env["commit"]}; date: {env["date"]}
+- machine: {env["cpu"]}, {env["cores"]} cores; {env["platform"]}; JAX {env["jax_devices"]}
+- load average (1 min) at start / end: {res["load"][0]:.2f} / {res["load"][1]:.2f}
+- versions: Python {env["python"]}, {vers}
+- model: Llama, {res["params"]:,} params (D={s.dim} F={s.mlp} L={s.layers} \
+H={s.heads} N={s.kv_heads} V={s.vocab}); threads: {res["threads"]}
+
+{tables(res, s)}
+
+Headline ratios (the `--json` output):
+
+```json
+{json.dumps(head, indent=1)}
+```
+"""
