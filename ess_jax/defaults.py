@@ -67,6 +67,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective = ml_collections.ConfigDict()
     c.objective.name = "p3o"  # p3o | p3o_dual | grpo | dapo | cispo | gspo | gspo_token | ...
     c.objective.ess_scope = "step"  # step (micro-batch invariant) | microbatch (reference code)
+    # KL(pi || pi_b) of P3O: k3 | k1 | k2 (sampled token) | full (whole vocabulary, p3o only: pi_b
+    # re-scored by a second forward per update; needs model.logits_chunk > 0, a float32 sampler
+    # and temperature > 0; README "The KL term")
     c.objective.kl_estimator = "k3"
     c.objective.ref_kl_estimator = "k3"
     c.objective.aggregation = "token_mean"
