@@ -3,7 +3,9 @@ update with the configured objective), and the teacher-forced scoring pass (prox
 reference log-probs). `train.Run` builds and calls them; nothing here holds run state.
 
 The RL step has no objective-specific branches: the objective comes from the registry and
-`accumulate.step_loss_and_grad` handles micro-batching with the ESS scope of the config.
+`accumulate.step_loss_and_grad` handles micro-batching with the ESS scope of the config. Only
+its log-prob function differs with objective.kl_estimator "full": `rescore.logp_fn_for` also
+re-scores pi_b's whole distribution, from behaviour params the step takes as an argument.
 """
 
 from __future__ import annotations
