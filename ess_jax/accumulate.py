@@ -1,8 +1,17 @@
-"""Step-scope accumulation: one optimizer batch's loss, gradient and metrics over micro-batches.
+"""Accumulation: one optimizer batch's loss, gradient and metrics over micro-batches.
 
-With ess_scope "step" a no-grad statistics pass fixes the ESS and the token / sequence counts of
-the whole optimizer batch, so micro-batch losses and gradients add up to the batch's (PAPER.md:
-invariant to micro-batching and device count). "microbatch" is the reference-code behaviour.
+A micro-batch is a strided set of rows (`_split`), so with the batch sharded over devices every
+micro-batch has rows on every device and its statistics are pooled over all of them, as the
+reference code all-reduces a micro-batch's ESS over its data-parallel ranks. ess_scope:
+  "step"             a no-grad statistics pass fixes the ESS and the token / sequence counts of
+                     the whole optimizer batch, so micro-batch losses and gradients add up to the
+                     batch's (PAPER.md: invariant to micro-batching and device count). Default.
+  "microbatch"       the reference code's default (normalize_loss=True): each micro-batch's own
+                     ESS, but the token / sequence counts of the whole optimizer batch (they need
+                     only the mask, no extra pass); micro-batch losses and gradients are summed.
+  "microbatch_local" each micro-batch's own ESS and counts; losses and gradients are averaged
+                     over micro-batches (the reference with normalize_loss=False, except that it
+                     pools a micro-batch over devices where that code normalises per rank).
 """
 
 from __future__ import annotations
@@ -22,21 +31,25 @@ from ess_jax.objectives import (
     ObjectiveConfig,
     get_objective,
     step_statistics,
+    token_counts,
 )
+
+COUNT_KEYS = ("num_tokens", "num_seqs")
 
 
 def combine_metrics(metrics_M: Metrics, ess_scope: str) -> Metrics:
     """Reduce metrics stacked over micro-batches (leading axis M) to step metrics.
 
-    "step": token means were divided by the global token count, so they add up; ESS values are
-    shared (mean); ratio_max is a max. "microbatch": every micro-batch normalised locally, so
-    the reference-code mean over micro-batches is taken (ratio_max still a max).
+    "step" and "microbatch": token means were divided by the step's token count, so they add up
+    (to the step's token means); ESS values are averaged (shared by every micro-batch in "step",
+    the reference code's logged mean in "microbatch"); ratio_max is a max. "microbatch_local":
+    every micro-batch normalised by its own counts, so the mean over micro-batches is taken.
     """
     out = {}
     for key, value in metrics_M.items():
         if key in _MAX_METRICS:
             out[key] = jnp.max(value, axis=0)
-        elif ess_scope == "step" and key not in _CONST_METRICS:
+        elif ess_scope != "microbatch_local" and key not in _CONST_METRICS:
             out[key] = jnp.sum(value, axis=0)
         else:
             out[key] = jnp.mean(value, axis=0)
@@ -64,17 +77,19 @@ def step_loss_and_grad(
 
     `logp_fn(params, micro_batch)` returns logp_BxT (float32), or (logp_BxT, extras) whose
     extras (e.g. "entropy" [B, T]) are added to the micro-batch. Arrays of `batch` with a
-    leading batch axis are split; scalars are shared. ess_scope "step": a no-grad statistics
-    pass over all micro-batches fixes ess / ess_prox / num_tokens / num_seqs (caller-supplied
-    ones win), then a lax.scan sums the micro-batch losses and gradients. "microbatch": each
-    micro-batch uses its own statistics and the results are averaged (reference code).
+    leading batch axis are split; scalars are shared. ess_scope (module docstring) "step": a
+    no-grad statistics pass over all micro-batches fixes ess / ess_prox / num_tokens / num_seqs
+    (caller-supplied ones win), then a lax.scan sums the micro-batch losses and gradients.
+    "microbatch": num_tokens / num_seqs of the whole batch (caller-supplied ones win), ess /
+    ess_prox per micro-batch, sums. "microbatch_local": every statistic per micro-batch, means.
     """
     objective = get_objective(config.name)
     m = num_microbatches
     batch_size = batch["mask"].shape[0]
     if m < 1 or batch_size % m:
         raise ValueError(f"batch size {batch_size} is not divisible by num_microbatches={m}")
-    step_scope = config.ess_scope == "step"
+    scope = config.ess_scope
+    step_scope, local_scope = scope == "step", scope == "microbatch_local"
 
     def loss_fn(p, mb):
         out = logp_fn(p, mb)
@@ -83,8 +98,9 @@ def step_loss_and_grad(
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     shared = {k: v for k, v in batch.items() if jnp.ndim(v) == 0}
-    if not step_scope:
-        shared = {k: v for k, v in shared.items() if k not in STAT_KEYS}
+    if not step_scope:  # the ESS is each micro-batch's own, and so are local counts
+        kept = () if local_scope else COUNT_KEYS
+        shared = {k: v for k, v in shared.items() if k not in STAT_KEYS or k in kept}
     rows = {k: v for k, v in batch.items() if jnp.ndim(v) > 0}
     if m == 1:  # one micro-batch: the objective's own statistics are the step's
         (loss, metrics), grads = grad_fn(params, {**rows, **shared})
@@ -101,6 +117,8 @@ def step_loss_and_grad(
 
         _, logp_MxBxT = jax.lax.scan(stats_pass, None, micro)
         shared = {**step_statistics(_merge(logp_MxBxT), rows), **shared}
+    elif scope == "microbatch":
+        shared = {**token_counts(rows), **shared}
 
     def accumulate(grads_acc, mb):
         (loss, metrics), grads = grad_fn(params, {**mb, **shared})
@@ -110,6 +128,6 @@ def step_loss_and_grad(
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
     grads, (loss_M, metrics_M) = jax.lax.scan(accumulate, zeros, micro)
-    scale = 1.0 if step_scope else 1.0 / m
+    scale = 1.0 / m if local_scope else 1.0
     grads = jax.tree.map(lambda g, p: (g * scale).astype(jnp.result_type(p)), grads, params)
-    return jnp.sum(loss_M) * scale, grads, combine_metrics(metrics_M, config.ess_scope)
+    return jnp.sum(loss_M) * scale, grads, combine_metrics(metrics_M, scope)

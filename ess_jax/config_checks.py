@@ -1,5 +1,6 @@
-"""Config checks that need no jax: each numeric field's domain, required fields, field names,
-and the rollouts whose pi_b objective.kl_estimator "full" cannot re-score exactly.
+"""Config checks that need no jax: each numeric field's domain, required fields, the values of
+fixed-choice string fields, field names, and the rollouts whose pi_b objective.kl_estimator
+"full" cannot re-score exactly.
 
 `check(config)` runs first in `experiment.validate`, and in `main` before jax is even imported,
 so `--config.optim.lr=-0.5` fails in well under a second, before the workdir is touched, with
@@ -106,6 +107,7 @@ DOMAINS: dict[str, Domain] = {
     "rollout.stop_ids": _ints(0),
     "rollout.overlong_buffer": _ints(0),
     "rollout.sample_microbatches": _ints(1),
+    "rollout.max_resample_rounds": _ints(0),
     "objective.constant_normalizer": _POS,
     "objective.clip_eps_low": Domain(lo=0.0, optional=True),
     "objective.clip_eps_high": Domain(lo=0.0, optional=True),
@@ -142,6 +144,15 @@ DOMAINS: dict[str, Domain] = {
 }
 
 
+# ObjectiveConfig.ess_scope (meanings: ess_jax/defaults.py, README "Objective options"). Here,
+# not in objectives.py, so that the CLI refuses a bad name before jax is imported.
+ESS_SCOPES = ("step", "microbatch", "microbatch_local")
+
+# String fields with a fixed set of values (the rest are checked by their builders in
+# experiment.validate).
+CHOICES: dict[str, tuple[str, ...]] = {"objective.ess_scope": ESS_SCOPES}
+
+
 def leaves(tree: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:
     """(dotted path, value) of every leaf; an empty mapping is a leaf."""
     for key, value in tree.items():
@@ -157,8 +168,9 @@ def _as_dict(config) -> dict:
 
 
 def check(config) -> None:
-    """Required fields are set, every numeric field is in its domain, and the rollout can be
-    re-scored for objective.kl_estimator "full"; else ConfigError naming the first bad field."""
+    """Required fields are set, every numeric field is in its domain, every field of CHOICES is
+    one of its values, and the rollout can be re-scored for objective.kl_estimator "full"; else
+    ConfigError naming the first bad field."""
     _check_values(config)
     check_full_kl(config)
 
@@ -199,6 +211,8 @@ def _check_values(config) -> None:
             if dom is None or not dom.optional:
                 fail(path, f"required and not set: give it, e.g. --config.{path}=...")
             continue
+        if path in CHOICES and value not in CHOICES[path]:
+            fail(path, f"must be one of {', '.join(map(repr, CHOICES[path]))}, got {value!r}")
         if dom is None:
             continue
         values = value if isinstance(value, (list, tuple)) else (value,)

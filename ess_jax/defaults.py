@@ -59,6 +59,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.stop_ids = ()  # () -> the tokenizer's EOS (and chat end tokens)
     c.rollout.advantage_mode = "grpo"  # grpo | drgrpo | rloo
     c.rollout.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
+    # with dynamic_sampling: > 0 refills the dropped groups from up to this many extra rounds
+    # of fresh prompts (DAPO's resampling); 0 masks them out (ess_jax/dynamic_sampling.py)
+    c.rollout.max_resample_rounds = 0
     c.rollout.sample_microbatches = 1  # sample the rollout batch in this many sampler calls
     c.rollout.overlong_buffer = 0  # DAPO soft overlong penalty buffer (tokens); 0: off
 
@@ -66,7 +69,12 @@ def base_config() -> ml_collections.ConfigDict:
     # placeholder) means the objective's own default (DAPO / GSPO clips from their papers).
     c.objective = ml_collections.ConfigDict()
     c.objective.name = "p3o"  # p3o | p3o_dual | grpo | dapo | cispo | gspo | gspo_token | ...
-    c.objective.ess_scope = "step"  # step (micro-batch invariant) | microbatch (reference code)
+    # Statistics each micro-batch's loss uses (train.num_microbatches > 1; all agree at 1):
+    #   step: ESS and token count of the whole optimizer step (micro-batch / device invariant)
+    #   microbatch: the reference code's default: ESS per micro-batch (pooled over devices),
+    #     divided by the token count of the whole optimizer step
+    #   microbatch_local: ESS and token count per micro-batch, mean over micro-batches
+    c.objective.ess_scope = "step"
     # KL(pi || pi_b) of P3O: k3 | k1 | k2 (sampled token) | full (whole vocabulary, p3o only: pi_b
     # re-scored by a second forward per update; needs model.logits_chunk > 0, a float32 sampler
     # and temperature > 0; README "The KL term")

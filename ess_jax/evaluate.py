@@ -9,6 +9,7 @@ import numpy as np
 
 from ess_jax import rollout as rollout_lib
 from ess_jax import sampler as sampler_lib
+from ess_jax import sharding as sharding_lib
 from ess_jax.data import PromptBatcher
 
 
@@ -65,8 +66,10 @@ def evaluate(
             sampling,
             jax.random.fold_in(rng, i),
         )
-        mask = np.asarray(out.response_mask)[:rows]
-        texts = rollout_lib.completions_text(tokenizer, np.asarray(out.tokens)[:rows], mask)
+        mask = sharding_lib.to_host(out.response_mask)[:rows]
+        texts = rollout_lib.completions_text(
+            tokenizer, sharding_lib.to_host(out.tokens)[:rows], mask
+        )
         exs = [ex for ex in b["examples"] for _ in range(k)][:rows]
         correct.append(np.array([reward_fn(t, ex) >= 1.0 for t, ex in zip(texts, exs)]))
         lengths.append(mask.sum(-1))

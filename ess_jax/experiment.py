@@ -73,6 +73,14 @@ def validate(config) -> None:
         fail("rollout.group_size", "must be >= 1")
     if r.lag < 0:
         fail("rollout.lag", "must be >= 0")
+    if r.max_resample_rounds and not r.dynamic_sampling:
+        fail("rollout.max_resample_rounds", "resampling needs rollout.dynamic_sampling=True")
+    if r.max_resample_rounds and r.group_size < 2:
+        fail(
+            "rollout.max_resample_rounds",
+            f"every group of rollout.group_size={r.group_size} has a constant reward: "
+            "resampling could never fill the batch",
+        )
     if not 0.0 <= r.external_fraction < 1.0:
         fail("rollout.external_fraction", "must be in [0, 1)")
     if r.external_fraction > 0:

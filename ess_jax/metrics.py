@@ -21,14 +21,26 @@ def _py(v: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON object per row to <workdir>/metrics.jsonl and mirrors to TensorBoard."""
+    """Appends one JSON object per row to <workdir>/metrics.jsonl and mirrors to TensorBoard.
 
-    def __init__(self, workdir: str, resume_step: int | None = None, tensorboard: bool = True):
-        os.makedirs(workdir, exist_ok=True)
+    `active=False` writes nothing: the other processes of a multi-host run, whose process 0
+    alone writes the shared workdir's files (their rows are the same)."""
+
+    def __init__(
+        self,
+        workdir: str,
+        resume_step: int | None = None,
+        tensorboard: bool = True,
+        active: bool = True,
+    ):
         self.path = os.path.join(workdir, "metrics.jsonl")
+        self.active = active
+        self._tb = None
+        if not active:
+            return
+        os.makedirs(workdir, exist_ok=True)
         if resume_step is not None:
             self.truncate_from(resume_step)
-        self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # tensorboard events without TensorFlow
 
@@ -44,6 +56,8 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
     def write(self, row: Mapping[str, Any]) -> None:
+        if not self.active:
+            return
         row = {k: _py(v) for k, v in row.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -37,20 +37,25 @@ def _seq_sum(x_BxT: jax.Array, seq_ids_BxT: jax.Array | None) -> jax.Array:
     return sums[ids].reshape(b, t)
 
 
+def token_counts(batch: Batch) -> dict[str, jax.Array]:
+    """num_tokens and num_seqs (the loss normalisers) of the arrays given; needs only the mask."""
+    mask = batch["mask"].astype(bool)
+    counts = {"num_tokens": jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32)}
+    if batch.get("seq_ids") is None:
+        counts["num_seqs"] = jnp.sum(mask.any(-1), dtype=jnp.int32).astype(jnp.float32)
+    else:  # each valid token carries 1/len(its sequence): the sum counts sequences.
+        maskf = mask.astype(jnp.float32)
+        seq_len = jnp.maximum(_seq_sum(maskf, batch["seq_ids"]), 1.0)
+        counts["num_seqs"] = jnp.round(jnp.sum(maskf / seq_len))
+    return counts
+
+
 def step_statistics(logp_BxT: jax.Array, batch: Batch) -> dict[str, jax.Array]:
     """ess (vs pi_b), ess_prox (if prox_logp), num_tokens and num_seqs of the arrays given."""
     mask = batch["mask"].astype(bool)
     logp = jnp.where(mask, jax.lax.stop_gradient(logp_BxT).astype(jnp.float32), 0.0)
-    stats = {
-        "ess": effective_sample_size(logp - batch["behaviour_logp"], mask),
-        "num_tokens": jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32),
-    }
-    if batch.get("seq_ids") is None:
-        stats["num_seqs"] = jnp.sum(mask.any(-1), dtype=jnp.int32).astype(jnp.float32)
-    else:  # each valid token carries 1/len(its sequence): the sum counts sequences.
-        maskf = mask.astype(jnp.float32)
-        seq_len = jnp.maximum(_seq_sum(maskf, batch["seq_ids"]), 1.0)
-        stats["num_seqs"] = jnp.round(jnp.sum(maskf / seq_len))
+    stats = {"ess": effective_sample_size(logp - batch["behaviour_logp"], mask)}
+    stats.update(token_counts(batch))
     if "prox_logp" in batch:
         stats["ess_prox"] = effective_sample_size(logp - batch["prox_logp"], mask)
     return stats

@@ -10,8 +10,14 @@ is the trainer's float32 log-prob of the sampled tokens (it carries the gradient
   seq_ids                               [B, T]  int, index in [0, T) of a packed sequence in its row
   ess, ess_prox, num_tokens, num_seqs   scalars (optional step statistics, see `step_statistics`)
 A loss is a SUM over the tokens given divided by normalisers from the step statistics. When the
-statistics describe the whole optimizer batch (ess_scope="step") the losses, gradients and additive
-metrics of micro-batches add up to those of the batch; `step_loss_and_grad` relies on this.
+normalisers (num_tokens, num_seqs) describe the whole optimizer batch the losses, gradients and
+additive metrics of micro-batches add up to the batch's; `accumulate.step_loss_and_grad` relies on
+this. ObjectiveConfig.ess_scope (applied there) picks the statistics each micro-batch sees:
+  "step"             ESS and normalisers of the whole optimizer batch (default; the loss and
+                     gradient are invariant to micro-batching and device count)
+  "microbatch"       the reference code's default (FeynRL, normalize_loss=True): ESS per
+                     micro-batch (pooled over devices), normalisers of the whole optimizer batch
+  "microbatch_local" ESS and normalisers per micro-batch, mean over micro-batches
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ess_jax.config_checks import ESS_SCOPES
 from ess_jax.kl import (  # noqa: F401  (re-exported: objectives is the public entry point)
     KL_ESTIMATORS,
     EssSums,
@@ -48,9 +55,10 @@ from ess_jax.objective_core import (  # noqa: F401  (step_statistics & co. re-ex
     _prepare,
     _seq_sum,
     step_statistics,
+    token_counts,
 )
 
-SCOPES = ("step", "microbatch")
+SCOPES = ESS_SCOPES  # see the module docstring
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 DUAL_VERSIONS = ("two_kl", "mixture")
 IS_LEVELS = ("token", "sequence")
@@ -76,10 +84,13 @@ _PAPER_CLIPS = {"dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 
 
 @dataclasses.dataclass(frozen=True)
 class ObjectiveConfig:
-    """Objective knobs; defaults are the P3O reference-code behaviour."""
+    """Objective knobs; defaults are the P3O reference-code behaviour, except ess_scope ("step",
+    PAPER.md's default; "microbatch" is the reference code's)."""
 
     name: str = "p3o"  # a key of OBJECTIVES
-    ess_scope: str = "step"  # "step" (invariant to micro-batching) | "microbatch" (reference code)
+    # "step" (invariant to micro-batching) | "microbatch" (reference code default) |
+    # "microbatch_local" (per-micro-batch denominators too); see the module docstring
+    ess_scope: str = "step"
     kl_estimator: str = "k3"  # KL to pi_b / pi_prox / pi_mix: k1 | k2 | k3 | full (p3o only)
     ref_kl_estimator: str = "k3"  # KL to the frozen reference (beta_kl)
     aggregation: str = "token_mean"  # see AGGREGATIONS

@@ -24,6 +24,7 @@ from flax import struct
 
 from ess_jax import advantages as adv_lib
 from ess_jax import sampler as sampler_lib
+from ess_jax import sharding as sharding_lib
 
 
 @struct.dataclass
@@ -83,15 +84,6 @@ class ParamHistory:
         self._versions.extend(versions)
 
 
-def _to_host(x) -> np.ndarray:
-    """The whole array on this host; with several processes each holds only its own rows."""
-    if jax.process_count() == 1:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 _FIELDS = ("tokens", "response_mask", "behaviour_logp", "sequences", "sequence_mask")
 
 
@@ -107,7 +99,7 @@ def _draw(src: PolicySource, prompts, prompt_mask, sampling, rng, precision: str
     for i, (p, m) in enumerate(zip(np.split(prompts, calls), np.split(prompt_mask, calls))):
         key = rng if calls == 1 else jax.random.fold_in(rng, i)
         out = sampler_lib.sample(src.cfg, params, p, m, sampling, key, precision=precision)
-        parts.append({k: _to_host(getattr(out, k)) for k in _FIELDS})
+        parts.append({k: sharding_lib.to_host(getattr(out, k)) for k in _FIELDS})
     fields = {k: np.concatenate([part[k] for part in parts]) for k in _FIELDS}
     return fields, np.full((len(fields["tokens"]),), src.version, np.int32)
 

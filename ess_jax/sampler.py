@@ -361,7 +361,7 @@ def _place(x, mesh: Mesh | None):
     spec = shd.logical_to_spec(
         ("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh, shd.SAMPLE_RULES
     )
-    return jax.device_put(x, NamedSharding(mesh, spec))
+    return shd.put_host_array(np.asarray(x), NamedSharding(mesh, spec))
 
 
 def sample_layout(cfg: model.ModelConfig, params, mesh: Mesh | None = None):

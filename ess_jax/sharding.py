@@ -36,10 +36,12 @@ SAMPLE_RULES: dict[str, Any] = {**TRAIN_RULES, "embed": None}
 
 
 def maybe_initialize_distributed() -> None:
-    """Multi-host init (TPU pods, GPU clusters) when the environment asks for it.
+    """Multi-host init (TPU pods, GPU clusters) when the environment asks for it. Call it before
+    anything that touches devices (jax refuses to initialise after `jax.devices()`).
 
     TPU pods and SLURM/Open MPI jobs are auto-detected by jax; for other launchers set
-    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID.
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (tests/test_multihost.py runs
+    two CPU processes this way; their collectives go through gloo, jax's CPU default).
     """
     if jax.distributed.is_initialized():
         return
@@ -162,18 +164,41 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def shard_batch(batch, mesh: Mesh):
-    """device_put every array of a batch with its leading dim split over the data axes."""
+    """device_put every array of a batch with its leading dim split over the data axes.
+
+    With several processes every host holds the same whole numpy batch (the pipeline and the
+    rewards are deterministic) and places only the rows of its own devices: no transfer between
+    hosts, and none of the cross-host equality check that `jax.device_put` makes of host data.
+    """
     n = _mesh_axis_size(mesh, BATCH)
 
     def put(x):
         x = np.asarray(x) if not isinstance(x, jax.Array) else x
         if x.ndim == 0:
-            return jax.device_put(x, replicated(mesh))
+            return put_host_array(x, replicated(mesh))
         if x.shape[0] % n:
             raise ValueError(f"batch dim {x.shape[0]} not divisible by data*fsdp = {n}")
-        return jax.device_put(x, batch_sharding(mesh, x.ndim))
+        return put_host_array(x, batch_sharding(mesh, x.ndim))
 
     return jax.tree.map(put, batch)
+
+
+def put_host_array(x, sharding: NamedSharding) -> jax.Array:
+    """`jax.device_put(x, sharding)`; with several processes a numpy `x` must be the same
+    array on every host, and each host places only its own devices' slices of it."""
+    if jax.process_count() > 1 and isinstance(x, np.ndarray):
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.device_put(x, sharding)
+
+
+def to_host(x) -> np.ndarray:
+    """The whole array as numpy on this host; with several processes each holds only its own
+    rows, so they are gathered (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def reshard(tree, shardings):

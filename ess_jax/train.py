@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from ess_jax import dynamic_sampling, experiment, steps
 from ess_jax import evaluate as eval_lib
-from ess_jax import experiment, steps
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
 from ess_jax import rollout as rollout_lib
@@ -41,14 +41,19 @@ class Run:
     lock from construction to the end of `run()` (or `close()`)."""
 
     def __init__(self, config, workdir: str, allow_config_change=()):
+        sharding_lib.maybe_initialize_distributed()  # before validate: it counts devices
         experiment.validate(config)
         self.config, self.workdir = config, os.path.abspath(workdir)
-        sharding_lib.maybe_initialize_distributed()
         self.ckpt = Checkpointer(
             os.path.join(self.workdir, "checkpoints"), keep=config.train.keep_checkpoints
         )
         self._lock = workdir_lib.claim(
-            self.workdir, config, self.ckpt, allow_config_change, jax.process_index() == 0
+            self.workdir,
+            config,
+            self.ckpt,
+            allow_config_change,
+            primary=jax.process_index() == 0,
+            num_processes=jax.process_count(),
         )
         try:
             self._build(config)
@@ -163,7 +168,9 @@ class Run:
         step_fn = steps.make_sft_step(self.cfg, tx, state_sh, batch_sh)
         demos = corrupt_demonstrations(self.train_examples, c.demo_noise, self.config.seed)
         it = sft_batches(demos, self.tokenizer, c.batch_size, c.seq_len, seed=self.config.seed)
-        bar = tqdm(range(c.steps), desc="sft", dynamic_ncols=True, mininterval=2.0)
+        bar = tqdm(
+            range(c.steps), desc="sft", dynamic_ncols=True, mininterval=2.0, disable=_secondary()
+        )
         for i in bar:
             b = next(it)
             batch = sharding_lib.shard_batch(
@@ -242,9 +249,9 @@ class Run:
         self._step_start = (self.batcher.state(), int(self.state.step))
         version, params_b = self.history.behaviour()
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
-        rollout, metrics = rollout_lib.collect(
+        rollout, metrics = dynamic_sampling.collect_batch(
             rollout_lib.PolicySource(self.cfg, params_b, version),
-            next(self.batcher),
+            self.batcher,
             self.tokenizer,
             self.reward_fn,
             self.rollout_cfg,
@@ -318,7 +325,8 @@ class Run:
     def _eval(self, writer, step: int) -> None:
         row = {"step": step, **self.evaluate(step)}
         writer.write(row)
-        tqdm.write(eval_summary(row))
+        if writer.active:
+            tqdm.write(eval_summary(row))
 
     def run(self) -> str:
         try:
@@ -331,7 +339,10 @@ class Run:
         start = self.try_restore()
         if jax.process_index() == 0:
             workdir_lib.write_config(self.workdir, self.config)
-        writer = MetricsWriter(self.workdir, resume_step=start if start is not None else 0)
+        # process 0 writes the shared workdir's files; the other processes' rows are the same
+        writer = MetricsWriter(
+            self.workdir, resume_step=start if start is not None else 0, active=not _secondary()
+        )
         if start is None:
             self.sft()
             if self.obj_cfg.beta_kl > 0:
@@ -342,7 +353,12 @@ class Run:
             self.save(0, force=True)  # the SFT warm start is never redone after a crash
         step = start
         bar = tqdm(
-            range(start, t.steps), desc="rl", initial=start, total=t.steps, dynamic_ncols=True
+            range(start, t.steps),
+            desc="rl",
+            initial=start,
+            total=t.steps,
+            dynamic_ncols=True,
+            disable=_secondary(),
         )
         try:
             for step in bar:
@@ -365,7 +381,14 @@ class Run:
         finally:
             self.ckpt.wait()
             writer.close()
+        if _secondary():
+            return os.path.join(self.workdir, "curves.png")  # process 0 writes it
         return plot_run(self.workdir)
+
+
+def _secondary() -> bool:
+    """A process other than the first of a multi-host run: it writes no files, shows no bars."""
+    return jax.process_index() != 0
 
 
 def _with_source(mcfg, source):

@@ -10,7 +10,8 @@
 `allow`; then it takes `<workdir>/lock`. The lock is an flock (released by the kernel when its
 process dies, however it dies) on a file naming the holder's pid and host: a second run on the
 workdir is refused at once with that name, and a lock file left by a killed process is taken
-over with a warning.
+over with a warning. The processes of one multi-host run share a workdir and one lock, held by
+process 0 (see `claim`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import socket
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import numpy as np
 
 from ess_jax import defaults
 from ess_jax.checkpoint import CheckpointError
@@ -201,16 +204,47 @@ def saved_config(workdir: str, ckpt, fallback: bool = True) -> tuple[dict | None
 
 
 def claim(
-    workdir: str, config, ckpt, allow: Iterable[str] = (), primary: bool = True
+    workdir: str,
+    config,
+    ckpt,
+    allow: Iterable[str] = (),
+    primary: bool = True,
+    num_processes: int = 1,
 ) -> WorkdirLock | None:
     """Refuse a resume with another config, then lock the workdir (on the primary process).
-    No file of the workdir is written before both pass."""
+    No file of the workdir is written before both pass.
+
+    The processes of one multi-host run (`num_processes` > 1) share the workdir and hold one
+    lock between them: process 0 (`primary`) takes it, and every process learns whether it got
+    it (a collective: all must call claim), so a workdir held by another run stops all of them
+    with an error rather than leaving the others waiting in their first collective. The others
+    hold no lock; they write no file of the workdir but their part of each orbax checkpoint."""
     allow = tuple(allow)
     check_names(config, allow, "--allow_config_change")
     saved, where = saved_config(workdir, ckpt, config.train.restore_fallback)
     if saved is not None:
         check_resume(saved, config, where, allow)
-    return WorkdirLock(workdir).acquire() if primary else None
+    lock, error = None, None
+    if primary:
+        try:
+            lock = WorkdirLock(workdir).acquire()
+        except Exception as e:  # raised below, once the other processes know
+            error = e
+    if num_processes > 1 and not _process0_says(error is None) and error is None:
+        raise WorkdirError(
+            f"workdir {os.path.abspath(workdir)}: process 0 of this run could not lock it "
+            "(its error names the run that holds it)"
+        )
+    if error is not None:
+        raise error
+    return lock
+
+
+def _process0_says(ok: bool) -> bool:
+    """Process 0's `ok`, on every process of a multi-host run."""
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
 
 
 def write_config(workdir: str, config) -> str:

@@ -75,6 +75,27 @@ def test_numeric_fields_are_checked_against_their_domain(path, value, domain):
         experiment.validate(tiny(**{path: value}))
 
 
+@pytest.mark.parametrize("scope", ["step", "microbatch", "microbatch_local"])
+def test_every_ess_scope_is_accepted(scope):
+    """A valid ESS scope refused by the jax-free check or by ObjectiveConfig (the two name lists
+    drifting apart)."""
+    c = tiny(**{"objective.ess_scope": scope})
+    config_checks.check(c)
+    experiment.validate(c)
+
+
+@pytest.mark.parametrize("scope", ["micro_batch", "Step", "microbatch-local", "local", ""])
+def test_unknown_ess_scope_is_refused_naming_the_field(scope):
+    """A misspelt scope must fail before jax is imported (config_checks.check, the CLI's first
+    check), naming config.objective.ess_scope and the valid names."""
+    valid = "'step', 'microbatch', 'microbatch_local'"
+    msg = rf"^config\.objective\.ess_scope: must be one of {valid}, got {re.escape(repr(scope))}$"
+    with pytest.raises(ConfigError, match=msg):
+        config_checks.check(tiny(**{"objective.ess_scope": scope}))
+    with pytest.raises(ConfigError, match=msg):
+        experiment.validate(tiny(**{"objective.ess_scope": scope}))
+
+
 def test_zero_sft_batch_fails_on_the_command_line_before_the_workdir_exists(tmp_path):
     """Row 2 from the CLI: the SFT batch used to be checked only once SFT started."""
     rc, err = cli(tmp_path / "run", "--config.sft.batch_size=0")

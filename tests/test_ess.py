@@ -198,8 +198,11 @@ def test_step_scope_is_invariant_to_devices():
         _assert_close(_step(cfg, m, devices=8), _step(cfg, 1))
 
 
-def test_microbatch_scope_depends_on_the_split():
-    micro = O.ObjectiveConfig(name="p3o", ess_scope="microbatch")
+@pytest.mark.parametrize("scope", ["microbatch", "microbatch_local"])
+def test_microbatch_scope_depends_on_the_split(scope):
+    """A micro-batch scope whose ESS is silently the step's (the split would change nothing), or
+    one that differs from "step" even when the step is a single micro-batch (e.g. a stray 1/M)."""
+    micro = O.ObjectiveConfig(name="p3o", ess_scope=scope)
     whole = _step(micro, 1)
     _assert_close(whole, _step(O.ObjectiveConfig(name="p3o"), 1))  # one micro-batch: same
     split = _step(micro, 4)

@@ -369,6 +369,9 @@ def test_step_loss_passes_logp_fn_extras():
 
 
 def test_combine_metrics():
+    """Micro-batch metrics combined the wrong way: ESS summed, ratio_max averaged, or token means
+    averaged where every micro-batch divided by the step's token count (or summed where each
+    divided by its own)."""
     stacked = {"ess": jnp.array([0.5, 0.5]), "ratio_max": jnp.array([2.0, 3.0])}
     stacked["ratio_mean"] = jnp.array([0.25, 0.75])
     step = A.combine_metrics(stacked, "step")
@@ -377,7 +380,9 @@ def test_combine_metrics():
         3.0,
         1.0,
     )
-    assert float(A.combine_metrics(stacked, "microbatch")["ratio_mean"]) == 0.5
+    # The reference scope divides by the step's token count too: its token means add up.
+    assert float(A.combine_metrics(stacked, "microbatch")["ratio_mean"]) == 1.0
+    assert float(A.combine_metrics(stacked, "microbatch_local")["ratio_mean"]) == 0.5
 
 
 # ------------------------------------------------------------------ degenerate batches
@@ -413,9 +418,10 @@ def test_degenerate_batches_are_finite(name):
 
 
 def test_degenerate_batch_through_microbatch_accumulation():
+    """An all-masked batch must give a zero loss and gradient in every scope (no 0/0 = nan)."""
     logp_fn, w, mask, adv, _ = _policy(3)
     batch = {"behaviour_logp": np.asarray(logp_fn(w)), "advantages": adv, "mask": mask * False}
-    for scope in ("step", "microbatch"):
+    for scope in O.SCOPES:
         cfg = O.ObjectiveConfig(ess_scope=scope)
         step = lambda w_, c=cfg: A.step_loss_and_grad(lambda p, mb: logp_fn(p), w_, batch, c, 1)
         loss, grads, _ = jax.jit(step)(w)

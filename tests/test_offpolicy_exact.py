@@ -20,7 +20,7 @@ from test_train import coin_reward, tiny_config
 
 from ess_jax import model as model_lib
 from ess_jax import objectives as O
-from ess_jax import train
+from ess_jax import steps, train
 
 _tf_logp = jax.jit(model_lib.token_logprobs, static_argnums=0)
 
@@ -140,11 +140,11 @@ def _record_rollouts(monkeypatch):
 def test_lag_k_samples_come_from_the_params_after_update_s_minus_k(tmp_path, monkeypatch):
     """Catches a ParamHistory that keeps one version too many or too few: step s's pi_b must be
     exactly the policy saved after update max(0, s - k), not a neighbour."""
-    k, steps = 2, 5
+    k, n_steps = 2, 5
     run = _start(tiny_config(**{"rollout.lag": k, "optim.lr": 1e-2}), tmp_path)
     rollouts = _record_rollouts(monkeypatch)
     saved = [jax.device_get(run.state.params)]  # saved[v]: the params after update v
-    for s in range(steps):
+    for s in range(n_steps):
         run.rl_step(s)
         saved.append(jax.device_get(run.state.params))
     for s, r in enumerate(rollouts):
@@ -165,7 +165,7 @@ def test_lag_k_samples_come_from_the_params_after_update_s_minus_k(tmp_path, mon
 def test_prox_snapshot_is_start_of_batch_for_all_updates(tmp_path, monkeypatch, objective):
     """Catches a proximal snapshot re-taken before each update (ess_prox 1 everywhere: the dual
     anchor becomes P3O) and one taken once per run rather than once per rollout batch."""
-    n_upd, steps = 3, 2
+    n_upd, n_steps = 3, 2
     config = tiny_config(
         **{
             "objective.name": objective,
@@ -189,9 +189,9 @@ def test_prox_snapshot_is_start_of_batch_for_all_updates(tmp_path, monkeypatch, 
         return recorded
 
     monkeypatch.setattr(steps, "make_rl_step", make_rl_step)
-    for s in range(steps):
+    for s in range(n_steps):
         run.rl_step(s)
-    assert len(updates) == steps * n_upd
+    assert len(updates) == n_steps * n_upd
     for i, (before, mb, metrics) in enumerate(updates):
         u = i % n_upd
         start = updates[i - u][0]  # the params when this rollout batch's first update began

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from configs import quickstart
+from ess_jax import accumulate, train, weights
 from ess_jax import model as model_lib
-from ess_jax import train, weights
 from ess_jax.metrics import read_metrics
 
 
@@ -161,13 +161,13 @@ def test_relative_workdir_and_metrics_rows_are_json(tmp_path, monkeypatch):
 
 
 def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
-    real = train.accumulate.step_loss_and_grad
+    real = accumulate.step_loss_and_grad
 
     def poisoned(*args, **kwargs):
         loss, grads, metrics = real(*args, **kwargs)
         return loss * jnp.nan, jax.tree.map(lambda g: g * jnp.nan, grads), metrics
 
-    monkeypatch.setattr(train.accumulate, "step_loss_and_grad", poisoned)
+    monkeypatch.setattr(accumulate, "step_loss_and_grad", poisoned)
     run = train.Run(tiny_config(), str(tmp_path))
     before = jax.device_get(run.state.params)
     run.history.push(0, train.sharding_lib.reshard(run.state.params, run.sample_sh))

@@ -4,8 +4,10 @@ Not a config file itself. Setup as the paper states it: Qwen3-4B-Thinking-2507 o
 binary math-answer verifier, one optimizer step per rollout batch, lr 1e-5, n = 4 samples per
 prompt, 256 prompts per step, ~35 steps, 4K new tokens, BF16 training compute (float32 masters)
 with a BF16 sampler. Unknown from public sources (left at ess_jax defaults or guesses, per
-file): seeds (seed 0 here), the exact lr / batch per run, ESS scope (step here, micro-batch in
-the reference code), full vs sampled KL (k3 here), the in-run eval set and temperature.
+file): seeds (seed 0 here), the exact lr / batch per run, ESS scope (step here, micro-batch
+invariant; `--config.objective.ess_scope=microbatch` is the reference code's default: ESS per
+micro-batch, loss divided by the step's token count), full vs sampled KL (k3 here), the in-run
+eval set and temperature.
 
 The manual dir holds DeepScaleR as `train.json` (the public `deepscaler.json`, renamed) and a
 held-out `test.jsonl` for the in-run eval: MATH-500 (fields problem / answer). DeepScaleR has
@@ -20,7 +22,8 @@ hardware preset (`,8xh100` by default, ess_jax/presets.py) or by `,tiny`: the sa
 
 from __future__ import annotations
 
-from configs.mini.common import OBJECTIVES, with_objective
+from configs.mini import common as mini
+from configs.mini.common import OBJECTIVES
 from ess_jax import presets
 from ess_jax.defaults import base_config
 
@@ -33,6 +36,11 @@ DEEPSCALER = "/path/to/deepscaler"
 PRESETS = (*presets.PRESETS, "tiny")
 FITS_ALL = tuple(presets.PRESETS)
 BATCHING = {"8xh100": (4, 16), "8xh200": (8, 32), "v5p-8": (4, 16), "v5e-16": (1, 4)}
+# DAPO arms resample as in the DAPO paper (configs/mini masks the constant groups instead): up
+# to this many extra rounds of 256 fresh prompts refill the groups whose rewards are all equal.
+# 4 fills the batch while up to 80% of groups are constant and bounds a step's sampling at 5x
+# a plain step's; ds_groups_masked > 0 in metrics.jsonl says when it was not enough.
+DAPO_RESAMPLE_ROUNDS = 4
 
 
 def parse(arg: str | None, arms: tuple[str, ...], fits: tuple[str, ...] = FITS_ALL):
@@ -50,6 +58,14 @@ def parse(arg: str | None, arms: tuple[str, ...], fits: tuple[str, ...] = FITS_A
             f"{', '.join(fits)}. Another mesh: --config.mesh, checked by the planner's --mesh"
         )
     return arm, preset
+
+
+def with_objective(c, arm: str):
+    """configs/mini's objective arm; DAPO arms also resample (DAPO_RESAMPLE_ROUNDS)."""
+    c = mini.with_objective(c, arm)
+    if c.rollout.dynamic_sampling:
+        c.rollout.max_resample_rounds = DAPO_RESAMPLE_ROUNDS
+    return c
 
 
 def base(source: str = QWEN3_4B, max_new_tokens: int = 4096):
@@ -96,6 +112,7 @@ def finish(c, preset: str, min_tensor: int = 1):
         if c.rollout.external_fraction:
             c.rollout.external_checkpoint = "smollm2"
         c.train.steps = 2
+        c.rollout.max_resample_rounds = min(c.rollout.max_resample_rounds, 1)  # CPU-sized
         # 8 sequences per micro-batch (~5 GB of activations on one CPU device)
         c.train.num_microbatches = max(1, 32 // c.train.updates_per_batch // 8)
         c.train.checkpoint_every = 1
