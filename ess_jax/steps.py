@@ -11,6 +11,7 @@ re-scores pi_b's whole distribution, from behaviour params the step takes as an 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from ess_jax import accumulate, rescore
 from ess_jax import model as model_lib
 from ess_jax import rollout as rollout_lib
 from ess_jax import sharding as sharding_lib
+from ess_jax.objectives import FULL_KL
 
 
 @struct.dataclass
@@ -104,23 +106,27 @@ def logp_fn_for(cfg, prompt_len: int, entropy: bool = False):
     return logp_fn
 
 
+class FullKL(NamedTuple):
+    """What a step with objective.kl_estimator "full" re-scores pi_b with (`full_kl_inputs`)."""
+
+    behaviour: rescore.Behaviour
+    params: dict  # {"policy"?: ..., "external"?: ...}: the step's third argument
+    shardings: dict
+
+    @property
+    def key(self) -> tuple:
+        """What the compiled step depends on."""
+        return self.behaviour, tuple(self.params)
+
+
 def make_rl_step(
-    cfg,
-    tx,
-    obj_cfg,
-    num_microbatches,
-    prompt_len,
-    state_sh,
-    batch_sh,
-    behaviour=None,
-    bparams_sh=None,
+    cfg, tx, obj_cfg, num_microbatches, prompt_len, state_sh, batch_sh, full: FullKL | None = None
 ):
     """One optimizer update on a rollout (mini-)batch with the configured objective.
 
-    With `behaviour` (a rescore.Behaviour: objective.kl_estimator "full") the step takes a third
-    argument, the behaviour params {"policy"?, "external"?} (shardings `bparams_sh`) that
-    pi_b's whole distribution is re-scored with; without "policy", pi_b is the current policy
-    (lag 0, one update per rollout batch: the params the sampler held)."""
+    With `full` (objective.kl_estimator "full") the step takes a third argument, `full.params`,
+    the behaviour params that pi_b's whole distribution is re-scored with; without "policy"
+    among them, pi_b is the current policy (the params the sampler held: lag 0, one update)."""
     entropy = obj_cfg.beta_ent != 0
 
     def update(state, batch, logp_fn):
@@ -130,7 +136,7 @@ def make_rl_step(
         state, grad_norm, ok = _apply_update(state, tx, loss, grads)
         return state, {**metrics, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
 
-    if behaviour is None:
+    if full is None:
         logp_fn, in_sh = logp_fn_for(cfg, prompt_len, entropy=entropy), (state_sh, batch_sh)
 
         def step(state, batch):
@@ -140,11 +146,10 @@ def make_rl_step(
 
         def step(state, batch, bparams):
             bparams = {"policy": state.params, **bparams}
-            return update(
-                state, batch, rescore.logp_fn_for(cfg, prompt_len, behaviour, bparams, entropy)
-            )
+            fn = rescore.logp_fn_for(cfg, prompt_len, full.behaviour, bparams, entropy)
+            return update(state, batch, fn)
 
-        in_sh = (state_sh, batch_sh, bparams_sh)
+        in_sh = (state_sh, batch_sh, full.shardings)
     return jax.jit(
         sharding_lib.under_mesh(step, batch_sh.mesh),
         in_shardings=in_sh,
@@ -153,12 +158,16 @@ def make_rl_step(
     )
 
 
-def full_kl_inputs(rcfg, params_b, lag: int, updates_per_batch: int, external, policy_sh):
-    """(Behaviour, params, their shardings) for a step with objective.kl_estimator "full".
+def full_kl_inputs(
+    obj_cfg, rcfg, params_b, lag: int, updates_per_batch: int, external, policy_sh
+) -> FullKL | None:
+    """None unless objective.kl_estimator is "full"; else what the step re-scores pi_b with.
 
     The params the sampler held: none (the current ones) with lag 0 and one update per batch;
     else its history version, copied with lag 0 (the history then holds the train params' own
     buffers, which the first update donates): one more copy of the params for the step."""
+    if obj_cfg.kl_estimator != FULL_KL:
+        return None
     bparams, bsh = {}, {}
     if lag or updates_per_batch > 1:
         policy = sharding_lib.reshard(params_b, policy_sh)
@@ -168,7 +177,7 @@ def full_kl_inputs(rcfg, params_b, lag: int, updates_per_batch: int, external, p
     if external is not None and float(rcfg.external_fraction) > 0:
         ext_cfg, bparams["external"] = external.cfg, external.params
         bsh["external"] = jax.tree.map(lambda x: x.sharding, external.params)
-    return rescore.Behaviour.from_rollout(rcfg, ext_cfg), bparams, bsh
+    return FullKL(rescore.Behaviour.from_rollout(rcfg, ext_cfg), bparams, bsh)
 
 
 @functools.lru_cache(maxsize=16)
@@ -189,8 +198,8 @@ def score_fn(cfg, prompt_len, mesh, num_chunks: int):
     return jax.jit(sharding_lib.under_mesh(score, mesh))
 
 
-def rollout_to_batch(r: rollout_lib.Rollout, versions: bool = False) -> dict:
-    """The train step's arrays; `versions`: also policy_version [B, 1] (which model drew each
+def rollout_to_batch(r: rollout_lib.Rollout, full: FullKL | None = None) -> dict:
+    """The train step's arrays; with `full`, also policy_version [B, 1] (which model drew each
     row; rank 2 like every batch array: the step shards them all with one spec)."""
     batch = {
         "tokens": r.tokens,
@@ -199,6 +208,6 @@ def rollout_to_batch(r: rollout_lib.Rollout, versions: bool = False) -> dict:
         "behaviour_logp": r.behaviour_logp,
         "advantages": r.advantages,
     }
-    if versions:
+    if full is not None:
         batch["policy_version"] = r.policy_version[:, None]
     return batch

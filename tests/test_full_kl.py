@@ -8,8 +8,8 @@ pi_b without the temperature, or with the truncation dropped or not renormalised
 wrong params (the current policy instead of the lagged version, or of the start-of-batch
 snapshot on the second update of a batch); external rows scored by the policy; a gradient that
 flows into pi_b's params or misses pi's; the logits chunks misaligned with the tokens they score;
-a default (k3) run changed by the option; a config that re-scores a source it cannot re-score
-exactly (bf16 / fp8 sampler, greedy) instead of refusing it.
+a config that re-scores a source it cannot re-score exactly (bf16 / fp8 sampler, greedy) instead
+of refusing it.
 """
 
 import jax
