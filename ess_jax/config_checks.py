@@ -1,5 +1,6 @@
 """Config checks that need no jax: each numeric field's domain, required fields, the values of
-fixed-choice string fields, field names.
+fixed-choice string fields, field names, and the rollouts whose pi_b objective.kl_estimator
+"full" cannot re-score exactly.
 
 `check(config)` runs first in `experiment.validate`, and in `main` before jax is even imported,
 so `--config.optim.lr=-0.5` fails in well under a second, before the workdir is touched, with
@@ -167,8 +168,43 @@ def _as_dict(config) -> dict:
 
 
 def check(config) -> None:
-    """Required fields are set, every numeric field is in its domain and every field of CHOICES
-    is one of its values; else ConfigError naming the first bad field."""
+    """Required fields are set, every numeric field is in its domain, every field of CHOICES is
+    one of its values, and the rollout can be re-scored for objective.kl_estimator "full"; else
+    ConfigError naming the first bad field."""
+    _check_values(config)
+    check_full_kl(config)
+
+
+def check_full_kl(config) -> None:
+    """objective.kl_estimator "full" re-scores pi_b's whole distribution in the train step
+    (ess_jax/rescore.py). Refuse what cannot be re-scored exactly instead of approximating it."""
+    c = _as_dict(config)
+    objective = c.get("objective", {})
+    if objective.get("kl_estimator") != "full" or objective.get("name") != "p3o":
+        return  # other objectives: ObjectiveConfig refuses "full" (they have no use for it)
+    r, why = c.get("rollout", {}), "cannot be re-scored exactly for objective.kl_estimator='full'"
+    lowp = (
+        "the sampler's low-precision decode rounds differently from any full-sequence forward "
+        "(log-probs ~1e-2 apart, as large as the precision mismatch itself)"
+    )
+    if r.get("precision", "float32") != "float32":
+        fail("rollout.precision", f"{r['precision']!r} {why}: {lowp}; use float32 or k1/k2/k3")
+    if r.get("external_fraction", 0) > 0 and r.get("external_precision", "float32") != "float32":
+        fail(
+            "rollout.external_precision",
+            f"{r['external_precision']!r} {why}: {lowp}; use float32 or k1/k2/k3",
+        )
+    if r.get("temperature", 1.0) == 0:
+        fail("rollout.temperature", f"0 (greedy) {why}: pi_b is a point mass, the KL is infinite")
+    if c.get("model", {}).get("logits_chunk", 0) <= 0:
+        fail(
+            "model.logits_chunk",
+            "objective.kl_estimator='full' needs it > 0: the policy's and pi_b's logits are "
+            "held for logits_chunk positions at a time, never [B, T, V] twice (e.g. 256)",
+        )
+
+
+def _check_values(config) -> None:
     for path, value in leaves(_as_dict(config)):
         dom = DOMAINS.get(path)
         if value is None:

@@ -75,6 +75,9 @@ def base_config() -> ml_collections.ConfigDict:
     #     divided by the token count of the whole optimizer step
     #   microbatch_local: ESS and token count per micro-batch, mean over micro-batches
     c.objective.ess_scope = "step"
+    # KL(pi || pi_b) of P3O: k3 | k1 | k2 (sampled token) | full (whole vocabulary, p3o only: pi_b
+    # re-scored by a second forward per update; needs model.logits_chunk > 0, a float32 sampler
+    # and temperature > 0; README "The KL term")
     c.objective.kl_estimator = "k3"
     c.objective.ref_kl_estimator = "k3"
     c.objective.aggregation = "token_mean"

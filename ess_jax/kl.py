@@ -1,5 +1,6 @@
 """How far the trainer's policy is from another one: the normalised effective sample size of
-the importance ratios, sampled-token KL estimators, exact full-vocabulary KL; all in float32.
+the importance ratios, sampled-token KL estimators, exact full-vocabulary KL (also to a
+truncated distribution); all in float32.
 
 Axis alphabet: B batch, T time, V vocab. Sampled-token estimators take the log-prob of the
 realised token under the current policy (`logp`) and under the other policy (`other_logp`)
@@ -58,6 +59,23 @@ def full_kl(logits_p_BxTxV: jax.Array, logits_q_BxTxV: jax.Array, mask_BxT: jax.
     p_BxTxV = jnp.exp(logp_BxTxV)
     terms = jnp.where(p_BxTxV > 0, p_BxTxV * (logp_BxTxV - logq_BxTxV), 0.0)
     return jnp.where(mask_BxT.astype(bool), terms.sum(-1), 0.0)
+
+
+# Stands for -inf outside a support: exp() of it is exactly 0, yet it stays finite, so neither the
+# value nor the gradient can meet 0 * inf = nan.
+_OUTSIDE = -1e30
+
+
+def kl_on_support(logits_p_BxTxV: jax.Array, logq_BxTxV: jax.Array, keep_BxTxV: jax.Array):
+    """Per-token KL(p(.|S) || q) in float32 -> [B, T], where S = `keep` is q's support (log q is
+    read on S only) and p(.|S) is p conditioned on S: softmax of the logits over S.
+
+    With S the whole vocabulary this is the exact KL(p || q). With a truncated q (top-k / top-p)
+    KL(p || q) itself is +inf (q is 0 where p is not); this is its finite counterpart, 0 iff p
+    agrees with q on S, and p's logits outside S get no gradient."""
+    logp_s = jax.nn.log_softmax(jnp.where(keep_BxTxV, logits_p_BxTxV.astype(jnp.float32), _OUTSIDE))
+    logq = jnp.where(keep_BxTxV, logq_BxTxV.astype(jnp.float32), 0.0)
+    return jnp.sum(jnp.where(keep_BxTxV, jnp.exp(logp_s) * (logp_s - logq), 0.0), axis=-1)
 
 
 def entropy_from_logits(logits_BxTxV: jax.Array) -> jax.Array:

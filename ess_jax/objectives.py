@@ -6,6 +6,7 @@ Every objective is `OBJECTIVES[name](logp_BxT, batch, config) -> (loss, metrics)
 is the trainer's float32 log-prob of the sampled tokens (it carries the gradient) and `batch` holds
   behaviour_logp, advantages, mask      [B, T]  (required; mask bool or float)
   prox_logp, ref_logp, entropy          [B, T]  (optional)
+  kl_full, rescored_behaviour_logp      [B, T]  (p3o with kl_estimator "full": ess_jax/rescore.py)
   seq_ids                               [B, T]  int, index in [0, T) of a packed sequence in its row
   ess, ess_prox, num_tokens, num_seqs   scalars (optional step statistics, see `step_statistics`)
 A loss is a SUM over the tokens given divided by normalisers from the step statistics. When the
@@ -71,8 +72,11 @@ METRIC_KEYS = (
     "entropy_proxy",
     "loss",
 )
+# kl_estimator "full": the exact KL to pi_b's whole distribution, which the train step re-scores
+# (ess_jax/rescore.py) and hands over as batch["kl_full"]; P3O only.
+FULL_KL = "full"
 # How metrics of micro-batches combine (see combine_metrics); all other keys are additive.
-_MAX_METRICS = ("ratio_max",)
+_MAX_METRICS = ("ratio_max", "rescore_err")
 _CONST_METRICS = ("ess", "ess_prox", "ess_mix")
 # Clip ranges from the papers, applied by ObjectiveConfig.paper_defaults.
 _PAPER_CLIPS = {"dapo": (0.2, 0.28), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4)}
@@ -87,7 +91,7 @@ class ObjectiveConfig:
     # "step" (invariant to micro-batching) | "microbatch" (reference code default) |
     # "microbatch_local" (per-micro-batch denominators too); see the module docstring
     ess_scope: str = "step"
-    kl_estimator: str = "k3"  # KL to pi_b / pi_prox / pi_mix: k1 | k2 | k3
+    kl_estimator: str = "k3"  # KL to pi_b / pi_prox / pi_mix: k1 | k2 | k3 | full (p3o only)
     ref_kl_estimator: str = "k3"  # KL to the frozen reference (beta_kl)
     aggregation: str = "token_mean"  # see AGGREGATIONS
     constant_normalizer: float = 1.0  # "constant": sum / (num_seqs * constant_normalizer)
@@ -113,7 +117,7 @@ class ObjectiveConfig:
         choices = {
             "name": OBJECTIVES,
             "ess_scope": SCOPES,
-            "kl_estimator": KL_ESTIMATORS,
+            "kl_estimator": (*KL_ESTIMATORS, FULL_KL),
             "ref_kl_estimator": KL_ESTIMATORS,
             "aggregation": AGGREGATIONS,
             "dual_version": DUAL_VERSIONS,
@@ -130,11 +134,27 @@ class ObjectiveConfig:
             raise ValueError(f"behaviour_weight_cap must be > 0, got {self.behaviour_weight_cap}")
         if (self.p3o_drop_kl or self.p3o_drop_cap) and self.name != "p3o":
             raise ValueError(f"p3o_drop_kl / p3o_drop_cap apply to p3o only, not {self.name!r}")
+        if self.kl_estimator == FULL_KL:
+            self._check_full_kl()
         if not 0.0 <= self.is_cap_low < self.is_cap:
             raise ValueError(
                 f"need 0 <= is_cap_low < is_cap, got is_cap_low={self.is_cap_low}, "
                 f"is_cap={self.is_cap}"
             )
+
+    def _check_full_kl(self):
+        if self.name == "p3o_dual":
+            why = "its KL terms would also need pi_prox's whole distribution (not implemented)"
+        elif self.name != "p3o":
+            why = f"{self.name!r} has no KL(pi || pi_b) term"
+        elif self.p3o_drop_kl:
+            why = "p3o_drop_kl=True drops the KL term"
+        else:
+            return
+        raise ValueError(
+            f"kl_estimator='full' applies to p3o's KL(pi || pi_b) term only: {why}; the "
+            "re-score of pi_b would cost a second forward for nothing (use k1 / k2 / k3)"
+        )
 
     @classmethod
     def from_dict(cls, d: Any) -> ObjectiveConfig:
@@ -164,9 +184,27 @@ def p3o(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax
     weight = c.rho if config.p3o_drop_cap else jnp.minimum(c.rho, ess)
     pg = -jax.lax.stop_gradient(weight) * c.logp * c.adv
     kl_w = 0.0 if config.p3o_drop_kl else 1.0 - ess
-    kl = get_kl_estimator(config.kl_estimator)(c.logp, c.blogp)
+    if config.kl_estimator == FULL_KL:
+        kl, extras = _full_kl(c, batch)
+    else:
+        kl, extras = get_kl_estimator(config.kl_estimator)(c.logp, c.blogp), None
     capped = jnp.zeros_like(c.mask) if config.p3o_drop_cap else c.rho > ess
-    return _finish(c, batch, config, pg + kl_w * kl, pg, capped)
+    return _finish(c, batch, config, pg + kl_w * kl, pg, capped, extras)
+
+
+def _full_kl(c, batch: Batch) -> tuple[jax.Array, Metrics]:
+    """batch["kl_full"] (it carries pi's gradient) and its metrics: the token mean, and the
+    largest gap between the re-scored and the recorded log pi_b(y_t) (float32 rounding, ~1e-6,
+    unless the re-score is not the distribution the sampler drew from)."""
+    if "kl_full" not in batch:
+        raise ValueError(
+            "kl_estimator='full' needs batch['kl_full'], the train step's re-score of pi_b "
+            "(ess_jax/rescore.py)"
+        )
+    kl = jnp.where(c.mask, batch["kl_full"].astype(jnp.float32), 0.0)
+    gap = jnp.abs(_aux(batch, "rescored_behaviour_logp", c.mask, "p3o") - c.blogp)
+    sg = jax.lax.stop_gradient
+    return kl, {"kl_behaviour_full": jnp.sum(c.metric_w * sg(kl)), "rescore_err": jnp.max(gap)}
 
 
 def p3o_dual(

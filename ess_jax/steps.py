@@ -3,22 +3,26 @@ update with the configured objective), and the teacher-forced scoring pass (prox
 reference log-probs). `train.Run` builds and calls them; nothing here holds run state.
 
 The RL step has no objective-specific branches: the objective comes from the registry and
-`accumulate.step_loss_and_grad` handles micro-batching with the ESS scope of the config.
+`accumulate.step_loss_and_grad` handles micro-batching with the ESS scope of the config. Only
+its log-prob function differs with objective.kl_estimator "full": `rescore.logp_fn_for` also
+re-scores pi_b's whole distribution, from behaviour params the step takes as an argument.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
 
-from ess_jax import accumulate
+from ess_jax import accumulate, rescore
 from ess_jax import model as model_lib
 from ess_jax import rollout as rollout_lib
 from ess_jax import sharding as sharding_lib
+from ess_jax.objectives import FULL_KL
 
 
 @struct.dataclass
@@ -102,23 +106,78 @@ def logp_fn_for(cfg, prompt_len: int, entropy: bool = False):
     return logp_fn
 
 
-def make_rl_step(cfg, tx, obj_cfg, num_microbatches, prompt_len, state_sh, batch_sh):
-    """One optimizer update on a rollout (mini-)batch with the configured objective."""
-    logp_fn = logp_fn_for(cfg, prompt_len, entropy=obj_cfg.beta_ent != 0)
+class FullKL(NamedTuple):
+    """What a step with objective.kl_estimator "full" re-scores pi_b with (`full_kl_inputs`)."""
 
-    def step(state, batch):
+    behaviour: rescore.Behaviour
+    params: dict  # {"policy"?: ..., "external"?: ...}: the step's third argument
+    shardings: dict
+
+    @property
+    def key(self) -> tuple:
+        """What the compiled step depends on."""
+        return self.behaviour, tuple(self.params)
+
+
+def make_rl_step(
+    cfg, tx, obj_cfg, num_microbatches, prompt_len, state_sh, batch_sh, full: FullKL | None = None
+):
+    """One optimizer update on a rollout (mini-)batch with the configured objective.
+
+    With `full` (objective.kl_estimator "full") the step takes a third argument, `full.params`,
+    the behaviour params that pi_b's whole distribution is re-scored with; without "policy"
+    among them, pi_b is the current policy (the params the sampler held: lag 0, one update)."""
+    entropy = obj_cfg.beta_ent != 0
+
+    def update(state, batch, logp_fn):
         loss, grads, metrics = accumulate.step_loss_and_grad(
             logp_fn, state.params, batch, obj_cfg, num_microbatches
         )
         state, grad_norm, ok = _apply_update(state, tx, loss, grads)
         return state, {**metrics, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
 
+    if full is None:
+        logp_fn, in_sh = logp_fn_for(cfg, prompt_len, entropy=entropy), (state_sh, batch_sh)
+
+        def step(state, batch):
+            return update(state, batch, logp_fn)
+
+    else:
+
+        def step(state, batch, bparams):
+            bparams = {"policy": state.params, **bparams}
+            fn = rescore.logp_fn_for(cfg, prompt_len, full.behaviour, bparams, entropy)
+            return update(state, batch, fn)
+
+        in_sh = (state_sh, batch_sh, full.shardings)
     return jax.jit(
         sharding_lib.under_mesh(step, batch_sh.mesh),
-        in_shardings=(state_sh, batch_sh),
+        in_shardings=in_sh,
         out_shardings=(state_sh, None),
         donate_argnums=0,
     )
+
+
+def full_kl_inputs(
+    obj_cfg, rcfg, params_b, lag: int, updates_per_batch: int, external, policy_sh
+) -> FullKL | None:
+    """None unless objective.kl_estimator is "full"; else what the step re-scores pi_b with.
+
+    The params the sampler held: none (the current ones) with lag 0 and one update per batch;
+    else its history version, copied with lag 0 (the history then holds the train params' own
+    buffers, which the first update donates): one more copy of the params for the step."""
+    if obj_cfg.kl_estimator != FULL_KL:
+        return None
+    bparams, bsh = {}, {}
+    if lag or updates_per_batch > 1:
+        policy = sharding_lib.reshard(params_b, policy_sh)
+        bparams["policy"] = policy if lag else jax.tree.map(jnp.copy, policy)
+        bsh["policy"] = policy_sh
+    ext_cfg = None
+    if external is not None and float(rcfg.external_fraction) > 0:
+        ext_cfg, bparams["external"] = external.cfg, external.params
+        bsh["external"] = jax.tree.map(lambda x: x.sharding, external.params)
+    return FullKL(rescore.Behaviour.from_rollout(rcfg, ext_cfg), bparams, bsh)
 
 
 @functools.lru_cache(maxsize=16)
@@ -139,11 +198,16 @@ def score_fn(cfg, prompt_len, mesh, num_chunks: int):
     return jax.jit(sharding_lib.under_mesh(score, mesh))
 
 
-def rollout_to_batch(r: rollout_lib.Rollout) -> dict:
-    return {
+def rollout_to_batch(r: rollout_lib.Rollout, full: FullKL | None = None) -> dict:
+    """The train step's arrays; with `full`, also policy_version [B, 1] (which model drew each
+    row; rank 2 like every batch array: the step shards them all with one spec)."""
+    batch = {
         "tokens": r.tokens,
         "attn_mask": r.attn_mask,
         "mask": r.loss_mask,
         "behaviour_logp": r.behaviour_logp,
         "advantages": r.advantages,
     }
+    if full is not None:
+        batch["policy_version"] = r.policy_version[:, None]
+    return batch

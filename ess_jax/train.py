@@ -261,7 +261,9 @@ class Run:
         t_sample = time.perf_counter() - t0
         n_upd = t.updates_per_batch
         per = rollout.num_sequences // n_upd
-        batch = sharding_lib.shard_batch(steps.rollout_to_batch(rollout), self.mesh)
+        args = (self.obj_cfg, self.rollout_cfg, params_b, self.history.lag, n_upd, self.external)
+        full = steps.full_kl_inputs(*args, self.state_sh.params)  # None unless kl_estimator full
+        batch = sharding_lib.shard_batch(steps.rollout_to_batch(rollout, full), self.mesh)
         score = steps.score_fn(self.cfg, rollout.prompt_len, self.mesh, t.num_microbatches * n_upd)
         if (
             self.obj_cfg.name in obj_lib.NEEDS_PROX
@@ -269,8 +271,9 @@ class Run:
             batch["prox_logp"] = score(self.state.params, batch)
         if self.ref_params is not None:
             batch["ref_logp"] = score(self.ref_params, batch)
-        if rollout.prompt_len not in self._rl_steps:  # one compile per prompt bucket
-            self._rl_steps[rollout.prompt_len] = steps.make_rl_step(
+        key = (rollout.prompt_len, full and full.key)
+        if key not in self._rl_steps:  # one compile per prompt bucket (and full-KL inputs)
+            self._rl_steps[key] = steps.make_rl_step(
                 self.cfg,
                 self.tx,
                 self.obj_cfg,
@@ -278,13 +281,14 @@ class Run:
                 rollout.prompt_len,
                 self.state_sh,
                 sharding_lib.batch_sharding(self.mesh),
+                full,
             )
-        step_fn = self._rl_steps[rollout.prompt_len]
+        step_fn = self._rl_steps[key]
         upd_metrics = []
         for u in range(n_upd):
             mb = jax.tree.map(lambda x, u=u: x[u * per : (u + 1) * per], batch)
             mb = sharding_lib.shard_batch(mb, self.mesh)
-            self.state, m = step_fn(self.state, mb)
+            self.state, m = step_fn(self.state, mb, *([full.params] if full else []))
             upd_metrics.append(jax.device_get(m))
         if int(self.state.nonfinite) >= MAX_NONFINITE_IN_A_ROW:
             raise NonFiniteError(
