@@ -156,10 +156,10 @@ def param_bytes(cfg, mesh, mode: str, dtype=None) -> int:
 
 
 def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
-    """Per-device bytes of the sampler's low-precision copy (sampler._prepare_params): matrices
+    """Per-device bytes of the sampler's low-precision copy (precision.prepare_params): matrices
     in bfloat16, or fp8 block matrices (1 byte) with float32 per-channel scales; norm vectors
     stay float32. float32 samples from the params themselves: no copy."""
-    from ess_jax.sampler import _FP8_INPUT_AXES
+    from ess_jax.precision import FP8_INPUT_AXES
 
     if precision == "float32":
         return 0
@@ -171,8 +171,8 @@ def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
         name = getattr(path[-1], "key", None)
         if x.ndim < 2:
             total += 4 * elems
-        elif precision == "fp8" and name in _FP8_INPUT_AXES:
-            total += elems * (1 + 4 / math.prod(x.shape[i] for i in _FP8_INPUT_AXES[name]))
+        elif precision == "fp8" and name in FP8_INPUT_AXES:
+            total += elems * (1 + 4 / math.prod(x.shape[i] for i in FP8_INPUT_AXES[name]))
         else:
             total += 2 * elems
     return int(total)
@@ -284,7 +284,7 @@ def sampler_terms(
         "kv_cache": rows * per_row,
         "prefill": shared
         + k["prefill_cache"] * uniq * per_row
-        + k["prefill_attn"] * uniq * h * c * s * 4,
+        + k["prefill_attn"] * uniq * h * c * prompt_len * 4,  # attends over the prompt only
         "decode": shared + k["decode_attn"] * rows * h * s * 4,
     }
 

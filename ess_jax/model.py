@@ -8,7 +8,7 @@ carries logical axis names (`out_sharding` metadata) that sharding.py maps to me
 
 Functional API (stable, used by the sampler, the trainer and external checks):
   apply(cfg, params, tokens_BxT) -> logits_BxTxV (float32)
-  forward(cfg, params, tokens_BxT, positions_BxT, kv_mask_BxS, cache, cache_index)
+  forward(cfg, params, tokens_BxT, positions_BxT, kv_mask_BxS, cache, cache_index, attend_len)
   token_logprobs(cfg, params, tokens_BxT, mask_BxT) -> logp_BxT (float32)
 `params` is a plain nested dict of arrays (`nnx.State.to_pure_dict()` of `Decoder`).
 """
@@ -25,12 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from ess_jax.layers import apply_rope, attention, rms_norm, rope_inv_freq
 from ess_jax.sharding import BATCH
 
 Params = dict[str, Any]
-# Large finite negative instead of -inf: fully masked rows (left pads) must give finite
-# softmax outputs, never NaN, or NaNs leak into the cache and the gradients.
-_MASK_VALUE = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,45 +92,6 @@ def shard_rows(x_BxTxD: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x_BxTxD, spec)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # Statistics in float32 whatever the compute dtype (HF does the same).
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    k = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-    scaling = dict(cfg.rope_scaling or ())
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, llama3)")
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    low_wl, high_wl = old_len / low, old_len / high
-    smooth = (old_len / wavelen - low) / (high - low)
-    scaled = jnp.where(wavelen > low_wl, inv / factor, inv)
-    mid = (1 - smooth) * scaled / factor + smooth * scaled
-    is_mid = (wavelen <= low_wl) & (wavelen >= high_wl)
-    return jnp.where(is_mid, mid, scaled)
-
-
-def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    # Non-interleaved (rotate-half) convention, as in the HF Llama/Qwen checkpoints.
-    angles = positions_BxT[..., None].astype(jnp.float32) * inv_freq  # B,T,K/2
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
-    x = x_BxTxHxK.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
-    return (x * cos + rotated * sin).astype(x_BxTxHxK.dtype)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, n, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -151,7 +110,7 @@ class Attention(nnx.Module):
             self.q_norm = _ones((k,), ("norm",))
             self.k_norm = _ones((k,), ("norm",))
 
-    def __call__(self, cfg, x_BxTxD, positions_BxT, kv_mask_BxS, cache, cache_index):
+    def __call__(self, cfg, x_BxTxD, positions_BxT, kv_mask_BxS, cache, cache_index, attend_len):
         dt = cfg.compute_dtype
         q = jnp.einsum("btd,dhk->bthk", x_BxTxD, self.q[...].astype(dt))
         k = jnp.einsum("btd,dnk->btnk", x_BxTxD, self.k[...].astype(dt))
@@ -165,7 +124,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        inv_freq = rope_inv_freq(cfg)
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling or ()))
         q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
 
         t = x_BxTxD.shape[1]
@@ -174,9 +133,8 @@ class Attention(nnx.Module):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         if cache is None:  # full-sequence forward: keys are this call's tokens
             k_all, v_all, new_cache = k, v, None
-            key_idx = jnp.arange(t)
             query_idx = jnp.arange(t)
-        else:  # write this call's keys into the fixed-length cache, attend over all of it
+        else:  # write this call's keys into the fixed-length cache
             k_all = jax.lax.dynamic_update_slice_in_dim(
                 cache["k"], k.astype(cache["k"].dtype), cache_index, axis=2
             )
@@ -184,33 +142,15 @@ class Attention(nnx.Module):
                 cache["v"], v.astype(cache["v"].dtype), cache_index, axis=2
             )
             new_cache = {"k": k_all, "v": v_all}
-            key_idx = jnp.arange(k_all.shape[2])
             query_idx = cache_index + jnp.arange(t)
+            if attend_len is not None:  # attend over the filled prefix of the cache only
+                k_all, v_all = k_all[:, :, :attend_len], v_all[:, :, :attend_len]
+                kv_mask_BxS = kv_mask_BxS[:, :attend_len]
 
         b, _, h, kd = q.shape
         n = k_all.shape[1]
         q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
-        k_all, v_all = k_all.astype(dt), v_all.astype(dt)
-
-        def attend(q_BxCxNxGxK, query_idx_C):
-            mask_BxCxS = (key_idx[None, :] <= query_idx_C[:, None])[None] & kv_mask_BxS[:, None]
-            scores = jnp.einsum(
-                "btngk,bnsk->bngts", q_BxCxNxGxK, k_all, preferred_element_type=jnp.float32
-            ) / math.sqrt(kd)
-            scores = jnp.where(mask_BxCxS[:, None, None], scores, _MASK_VALUE)
-            probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-            return jnp.einsum("bngts,bnsk->btngk", probs, v_all)
-
-        c = cfg.logits_chunk
-        if c <= 0 or t <= c:
-            out = attend(q, query_idx)
-        else:  # query chunks, each recomputed in the backward pass: no [B, H, T, S] scores
-            pad = -t % c
-            qs = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-            qs = jnp.moveaxis(qs.reshape(b, -1, c, *q.shape[2:]), 1, 0)
-            idx = jnp.pad(query_idx, (0, pad)).reshape(-1, c)
-            out = jax.lax.map(lambda a: jax.checkpoint(attend)(*a), (qs, idx))
-            out = jnp.moveaxis(out, 0, 1).reshape(b, -1, *q.shape[2:])[:, :t]
+        out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk)
         out = out.reshape(b, t, h, kd)
         return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(dt)), new_cache
 
@@ -236,7 +176,7 @@ class Block(nnx.Module):
         self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, cfg, x, positions, kv_mask, cache, cache_index):
+    def __call__(self, cfg, x, positions, kv_mask, cache, cache_index, attend_len=None):
         h, new_cache = self.attn(
             cfg,
             rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps),
@@ -244,6 +184,7 @@ class Block(nnx.Module):
             kv_mask,
             cache,
             cache_index,
+            attend_len,
         )
         x = x + h
         return x + self.mlp(cfg, rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)), new_cache
@@ -271,8 +212,21 @@ class Decoder(nnx.Module):
                 1.0 / math.sqrt(cfg.hidden_size),
             )
 
-    def hidden(self, cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
-        """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache."""
+    def hidden(
+        self,
+        cfg,
+        tokens_BxT,
+        positions_BxT,
+        kv_mask_BxS,
+        cache=None,
+        cache_index=0,
+        attend_len=None,
+    ):
+        """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache.
+
+        With a cache, `attend_len` (a static int) limits attention to the first `attend_len`
+        cache positions (they must hold every key the queries may see): the cost of a step then
+        follows what is filled, not the cache's full length."""
         x = shard_rows(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype))
         new_cache = []
         for i, layer in enumerate(self.layers):
@@ -288,6 +242,7 @@ class Decoder(nnx.Module):
                     kv_mask_BxS,
                     None if cache is None else cache[i],
                     cache_index,
+                    attend_len,
                 )
             x = shard_rows(x)
             new_cache.append(c)
@@ -303,8 +258,9 @@ class Decoder(nnx.Module):
             preferred_element_type=jnp.float32,
         )
 
-    def __call__(self, cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
-        x, new_cache = self.hidden(cfg, tokens_BxT, positions_BxT, kv_mask_BxS, cache, cache_index)
+    def __call__(self, cfg, *args, **kwargs):
+        """float32 logits and the updated cache; the arguments are `hidden`'s."""
+        x, new_cache = self.hidden(cfg, *args, **kwargs)
         return self.logits(cfg, x), new_cache
 
 
@@ -381,10 +337,13 @@ def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def forward(cfg, params, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0):
-    """Logits (float32) and the updated cache. `kv_mask_BxS` marks keys that may be attended."""
+def forward(
+    cfg, params, tokens_BxT, positions_BxT, kv_mask_BxS, cache=None, cache_index=0, attend_len=None
+):
+    """Logits (float32) and the updated cache. `kv_mask_BxS` marks keys that may be attended;
+    `attend_len` (static) limits a cached forward's attention to the cache's first positions."""
     return bind(cfg, params)(
-        cfg, tokens_BxT, positions_BxT, kv_mask_BxS.astype(bool), cache, cache_index
+        cfg, tokens_BxT, positions_BxT, kv_mask_BxS.astype(bool), cache, cache_index, attend_len
     )
 
 

@@ -13,7 +13,7 @@ drew from:
                drawn by the external model (policy_version -1) use its params and config
   compute      float32, as the float32 sampler computes (whatever `model.dtype` the trainer uses)
   temperature  logits / T, with the sampler's float32 T
-  top-k/top-p  the sampler's own kept-support rule (`sampler._kept_support`), renormalised
+  top-k/top-p  the sampler's own kept-support rule (`draw.kept_support`), renormalised
 A bf16 / fp8 sampler or greedy decoding cannot be re-scored exactly (config_checks refuses them).
 
 With top-k / top-p, pi_b is 0 outside its kept support S, so KL(pi || pi_b) is +inf; the loss
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax import model as model_lib
+from ess_jax.draw import kept_support
 from ess_jax.kl import entropy_from_logits, kl_on_support
-from ess_jax.sampler import _kept_support
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ def behaviour_logprobs(logits_BxCxV: jax.Array, b: Behaviour) -> tuple[jax.Array
     use_top_p = b.top_p < 1.0
     if 0 < b.top_k < v or use_top_p:
         rows = scaled.reshape(-1, v)  # the sampler's rule works on [rows, V]
-        keep = _kept_support(rows, b.top_k, jnp.float32(b.top_p), use_top_p).reshape(scaled.shape)
+        keep = kept_support(rows, b.top_k, jnp.float32(b.top_p), use_top_p).reshape(scaled.shape)
     else:
         keep = jnp.ones(scaled.shape, bool)
     masked = jnp.where(keep, scaled, -jnp.inf)

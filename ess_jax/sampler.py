@@ -20,16 +20,17 @@ distribution the sampler drew from, not the full-vocabulary temperature-1 one. U
 Greedy decoding (temperature 0) draws from a point mass on the argmax, so its
 behaviour_logp = log 1 = 0 and log_kept_mass = 0 (the T -> 0 limit).
 
-Sampler precision (`sample(..., precision=)`): "float32"; "bfloat16" (weight matrices and
-compute in bfloat16, norms/statistics in float32 as in the model); "fp8" (the seven block
-matrices q/k/v/o/gate/up/down stored as float8_e4m3fn with per-output-channel float32
-scales and dequantised into each forward's bfloat16 matmuls; embedding and LM head stay
-bfloat16, as in common FP8 serving recipes). The low-precision modes reproduce the
-train/inference mismatch of the paper's FP8-rollout experiment.
+Sampler precision (`sample(..., precision=)`): "float32", "bfloat16" or "fp8" (see
+precision.py); the low-precision modes reproduce the train/inference mismatch of the paper's
+FP8-rollout experiment.
 
-Compilation: prompts are left-padded further to a power-of-two bucket, the cache length is
-bucket + max_new_tokens, and temperature / top_p are traced, so a run compiles once per
-(model, batch, bucket, max_new_tokens, num_samples, top_k, stop_ids, precision, mesh).
+Cost and compilation: prompts are left-padded further to a power-of-two bucket; the KV
+cache (bucket + max_new_tokens) is allocated once at prefill and updated in place. The prefill
+attends over the prompt only, and decode runs in up to 4 segments (`decode_bounds`), each
+attending over the prompt and the response positions its bound allows, so a step costs what is
+filled (within 2x), not the whole budget. Temperature / top_p are traced, so a run compiles one
+prefill and <= 4 decode programs per (model, batch, bucket, max_new_tokens, num_samples, top_k,
+stop_ids, precision, mesh).
 """
 
 from __future__ import annotations
@@ -43,23 +44,12 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
+from ess_jax import draw as draw_lib
 from ess_jax import model
+from ess_jax import precision as precision_lib
 from ess_jax import sharding as shd
 
-PRECISIONS = ("float32", "bfloat16", "fp8")
 _MIN_BUCKET = 16
-_FP8 = jnp.float8_e4m3fn
-_FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
-# weight matrix name -> its contraction (input) axes; the rest are output channels
-_FP8_INPUT_AXES = {
-    "q": (0,),
-    "k": (0,),
-    "v": (0,),
-    "o": (0, 1),
-    "gate": (0,),
-    "up": (0,),
-    "down": (0,),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,99 +123,6 @@ def bucket_length(p: int) -> int:
     return max(_MIN_BUCKET, 1 << max(p - 1, 0).bit_length())
 
 
-# ----------------------------------------------------------------------------- precision
-
-
-def _prepare_params(params, precision: str):
-    """Sampler-side copy of the params. Norm vectors stay float32 (the model does its
-    statistics in float32 either way); casting matrices here rather than inside every
-    decode step is numerically identical to the model's own `.astype(compute_dtype)`."""
-
-    def leaf(path, x):
-        name = getattr(path[-1], "key", None)
-        if x.ndim < 2:
-            return x
-        if precision == "fp8" and name in _FP8_INPUT_AXES:
-            axes = _FP8_INPUT_AXES[name]
-            amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
-            scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0).astype(jnp.float32)
-            return {"w8": (x / scale).astype(_FP8), "scale": scale}
-        return x.astype(jnp.bfloat16)
-
-    return jax.tree_util.tree_map_with_path(leaf, params)
-
-
-def _dequantize(params):
-    """fp8 {'w8', 'scale'} leaves -> bfloat16 matrices, inside the forward that uses them."""
-
-    def is_q(x):
-        return isinstance(x, dict) and set(x) == {"w8", "scale"}
-
-    return jax.tree.map(
-        lambda x: (x["w8"].astype(jnp.float32) * x["scale"]).astype(jnp.bfloat16) if is_q(x) else x,
-        params,
-        is_leaf=is_q,
-    )
-
-
-@functools.lru_cache(maxsize=8)
-def _prepare_fn(precision: str):
-    return jax.jit(functools.partial(_prepare_params, precision=precision))
-
-
-# ----------------------------------------------------------------------------- one draw
-
-
-def _kept_support(scaled_BxV, top_k: int, top_p, use_top_p: bool):
-    """Boolean mask of the tokens that may be drawn (by value, so ties are kept together)."""
-    keep = jnp.ones(scaled_BxV.shape, bool)
-    vals = None
-    if 0 < top_k < scaled_BxV.shape[-1]:
-        vals = jax.lax.top_k(scaled_BxV, top_k)[0]  # sorted descending
-        keep = scaled_BxV >= vals[:, -1:]
-    if use_top_p:
-        if vals is None:
-            vals = -jnp.sort(-scaled_BxV, axis=-1)
-        probs = jax.nn.softmax(vals, axis=-1)
-        # mass strictly before each token in descending order; keep while it is < top_p
-        before = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))
-        n_keep = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1
-        thresh = jnp.take_along_axis(vals, n_keep - 1, axis=-1)
-        keep = keep & (scaled_BxV >= thresh)
-    return keep
-
-
-def _draw(logits_BxV, key, temperature, top_p, st: _Static):
-    """token, behaviour_logp, raw_logp, log_kept_mass for one step (all float32)."""
-    logits = logits_BxV.astype(jnp.float32)
-    raw_lse = jax.nn.logsumexp(logits, axis=-1)
-
-    def pick(x, tok):
-        return jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0]
-
-    if st.greedy:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        zero = jnp.zeros(tok.shape, jnp.float32)
-        return tok, zero, pick(logits, tok) - raw_lse, zero
-    scaled = logits / temperature
-    truncated = (0 < st.top_k < logits.shape[-1]) or st.use_top_p
-    if truncated:
-        keep = _kept_support(scaled, st.top_k, top_p, st.use_top_p)
-        masked = jnp.where(keep, scaled, -jnp.inf)
-    else:
-        masked = scaled
-    # mode="high": the default gumbel noise is biased for events with p < ~1e-7, and the
-    # recorded log-probs must describe the drawing distribution exactly.
-    tok = jax.random.categorical(key, masked, axis=-1, mode="high").astype(jnp.int32)
-    kept_lse = jax.nn.logsumexp(masked, axis=-1)
-    behaviour = pick(scaled, tok) - kept_lse
-    if truncated:
-        kept_mass = kept_lse - jax.nn.logsumexp(scaled, axis=-1)
-    else:
-        kept_mass = jnp.zeros(tok.shape, jnp.float32)
-    return tok, behaviour, pick(logits, tok) - raw_lse, kept_mass
-
-
 # ----------------------------------------------------------------------------- jitted parts
 
 
@@ -272,16 +169,43 @@ def _write(s: _DecodeState, col, tok, blp, rlp, lkm, active, st: _Static) -> _De
     )
 
 
+def _st_draw(logits_BxV, key, temperature, top_p, st: _Static):
+    return draw_lib.draw(
+        logits_BxV,
+        key,
+        temperature,
+        top_p,
+        greedy=st.greedy,
+        top_k=st.top_k,
+        use_top_p=st.use_top_p,
+    )
+
+
+def decode_bounds(max_new_tokens: int) -> tuple[int, ...]:
+    """Response lengths at which a decode segment ends: T/8, T/4, T/2, T (none below 32).
+
+    Segment j attends over the prompt and the first bounds[j] response positions of the cache
+    only, so a step's attention costs at most twice what is filled (the whole cache is
+    allocated once, at prefill, and never copied). At most 4 decode programs per static
+    configuration; T <= 32 is one segment.
+    """
+    t = max_new_tokens
+    return tuple(sorted({max(min(t, 32), t >> k) for k in range(4)}))
+
+
 def _prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, mesh):
-    """Prompt forward on the B unique prompts, repeat n times, draw response token 0."""
-    params = _dequantize(params)
+    """Prompt forward on the B unique prompts, repeat n times, draw response token 0.
+
+    The cache is allocated at its full length (prompt + T) here, but attention runs over the
+    prompt only: the cost is the prompt's, whatever the generation budget."""
+    params = precision_lib.dequantize(params)
     b, p = prompts_BxP.shape
     t, n = st.max_new_tokens, st.num_samples
     kv_mask = jnp.concatenate([mask_BxP, jnp.ones((b, t), bool)], axis=1)
     positions = model.positions_from_mask(mask_BxP)
     module = model.bind(cfg, params)
     x, cache = module.hidden(
-        cfg, prompts_BxP, positions, kv_mask.astype(bool), model.init_cache(cfg, b, p + t), 0
+        cfg, prompts_BxP, positions, kv_mask, model.init_cache(cfg, b, p + t), 0, attend_len=p
     )
     logits = module.logits(cfg, x[:, -1:])  # the last position only: no [B, P, V] logits
     rep = functools.partial(jnp.repeat, repeats=n, axis=0)  # sample j of prompt i: row i*n+j
@@ -303,45 +227,65 @@ def _prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st,
     # gather the vocab before repeating: vocab-sharded -> row-sharded has no cheap path
     last = _constrain(logits[:, -1], mesh, ("batch", None))
     last = _constrain(rep(last), mesh, ("batch", None))
-    tok, blp, rlp, lkm = _draw(last, jax.random.fold_in(rng, 0), temperature, top_p, st)
+    tok, blp, rlp, lkm = _st_draw(last, jax.random.fold_in(rng, 0), temperature, top_p, st)
     return _write(s, 0, tok, blp, rlp, lkm, jnp.ones((b * n,), bool), st)
 
 
-def _decode(params, s: _DecodeState, temperature, top_p, *, cfg, st, mesh):
-    """Draw response tokens 1..T-1, stopping early once every row has emitted a stop id."""
+def _decode_segment(params, s: _DecodeState, temperature, top_p, *, bound, cfg, st, mesh):
+    """Draw response tokens up to (not including) column `bound`, stopping early once every
+    row has emitted a stop id; attention reads the prompt and `bound` response positions."""
     prompt_width = s.kv_mask.shape[1] - st.max_new_tokens
 
     def cond(s):
-        return (s.step < st.max_new_tokens) & ~jnp.all(s.done)
+        return (s.step < bound) & ~jnp.all(s.done)
 
     def body(s):
         prev = jax.lax.dynamic_index_in_dim(s.tokens, s.step - 1, axis=1, keepdims=True)
         logits, cache = model.forward(
             cfg,
-            _dequantize(params),
+            precision_lib.dequantize(params),
             prev,
             s.positions[:, None],
             s.kv_mask,
             s.cache,
             prompt_width + s.step - 1,
+            attend_len=prompt_width + bound,
         )
         logits = _constrain(logits[:, 0], mesh, ("batch", None))  # whole vocab rows per device
         key = jax.random.fold_in(s.rng, s.step)
-        tok, blp, rlp, lkm = _draw(logits, key, temperature, top_p, st)
+        tok, blp, rlp, lkm = _st_draw(logits, key, temperature, top_p, st)
         s = _write(s.replace(cache=cache), s.step, tok, blp, rlp, lkm, ~s.done, st)
         return _constrain_state(s.replace(step=s.step + 1, positions=s.positions + 1), mesh)
 
     return jax.lax.while_loop(cond, body, s)
 
 
+class _Decode:
+    """Draws response tokens 1..T-1: one jitted, state-donating while loop per segment of
+    `decode_bounds` (each segment's loop exits at once if every row has stopped)."""
+
+    def __init__(self, cfg, st, mesh):
+        kw = dict(cfg=cfg, st=st, mesh=mesh)
+        self.bounds = decode_bounds(st.max_new_tokens)
+        self.segments = [
+            jax.jit(functools.partial(_decode_segment, bound=b, **kw), donate_argnums=(1,))
+            for b in self.bounds
+        ]
+
+    def __call__(self, params, s: _DecodeState, temperature, top_p) -> _DecodeState:
+        for segment in self.segments:
+            s = segment(params, s, temperature, top_p)
+        return s
+
+    def cache_size(self) -> int:
+        return sum(f._cache_size() for f in self.segments)
+
+
 @functools.lru_cache(maxsize=32)
 def _compiled(cfg: model.ModelConfig, st: _Static, mesh: Mesh | None):
-    """(prefill, decode) jitted for one static configuration; jit caches per shape."""
-    kw = dict(cfg=cfg, st=st, mesh=mesh)
-    prefill = jax.jit(functools.partial(_prefill, **kw))
-    # the state (KV cache and buffers) is donated: decode updates it in place
-    decode = jax.jit(functools.partial(_decode, **kw), donate_argnums=(1,))
-    return prefill, decode
+    """(prefill, decode) for one static configuration; jit caches per shape."""
+    prefill = jax.jit(functools.partial(_prefill, cfg=cfg, st=st, mesh=mesh))
+    return prefill, _Decode(cfg, st, mesh)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -396,8 +340,8 @@ def sample(
     moved to the sample layout if they are not there yet and the rows are split over the
     data axes; the numbers are the same as unsharded.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} not in {PRECISIONS}")
+    if precision not in precision_lib.PRECISIONS:
+        raise ValueError(f"precision {precision!r} not in {precision_lib.PRECISIONS}")
     mask_np = np.asarray(prompt_mask_BxP).astype(bool)
     tokens_np = np.asarray(prompt_tokens_BxP).astype(np.int32)
     if mask_np.ndim != 2 or mask_np.shape != tokens_np.shape:
@@ -430,7 +374,7 @@ def sample(
         mesh = None
     sample_cfg = cfg.replace(dtype="float32" if precision == "float32" else "bfloat16")
     if precision != "float32":
-        params = _prepare_fn(precision)(params)
+        params = precision_lib.prepare_fn(precision)(params)
 
     _compiled_keys.add((sample_cfg, st, mesh))
     prefill, decode = _compiled(sample_cfg, st, mesh)
@@ -457,4 +401,4 @@ def sample(
 
 def compile_cache_size() -> int:
     """Compiled decode programs held (tests use it to check that bucketing avoids recompiles)."""
-    return sum(_compiled(*key)[1]._cache_size() for key in _compiled_keys)
+    return sum(_compiled(*key)[1].cache_size() for key in _compiled_keys)

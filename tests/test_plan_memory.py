@@ -106,6 +106,7 @@ def _sample_case(case):
     import jax.numpy as jnp
 
     from ess_jax import memory, model, sampler, sharding
+    from ess_jax import precision as precision_lib
 
     n_dev, precision = case["devices"], case["precision"]
     cfg = model.ModelConfig(**MODEL, logits_chunk=case["chunk"])
@@ -119,7 +120,7 @@ def _sample_case(case):
             sharding.param_shardings(cfg, mesh, "sample"),
         )
     if precision != "float32":
-        params = jax.eval_shape(sampler._prepare_fn(precision), params)
+        params = jax.eval_shape(precision_lib.prepare_fn(precision), params)
     st = sampler._Static(max_new_tokens=case["new"], num_samples=case["samples"], greedy=False,
                          top_k=0, use_top_p=False, stop_ids=(), pad_id=0)  # fmt: skip
     prefill, decode = sampler._compiled(scfg, st, mesh)
@@ -135,7 +136,8 @@ def _sample_case(case):
         state,
         compiled.output_shardings,
     )
-    xla_decode = _xla_total(decode.lower(params, state, *args[1:]).compile())
+    # the last segment attends over the whole cache: the largest of the decode programs
+    xla_decode = _xla_total(decode.segments[-1].lower(params, state, *args[1:]).compile())
     amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": n_dev}, n_dev))
     terms = memory.sampler_terms(
         scfg, amesh, case["prompts"], case["samples"], case["prompt"], case["new"], precision

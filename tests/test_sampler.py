@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from ess_jax import model, sampler, sharding
+from ess_jax import model, precision, sampler, sharding
 
 V, D, F, H, N, K = 32, 32, 64, 4, 2, 8
 NS, T = 600, 8  # samples per prompt, new tokens
@@ -350,6 +350,46 @@ def test_greedy_equals_hf_generate(tiny, hf_model):
     np.testing.assert_array_equal(out.tokens[::NS], ref)
 
 
+def test_segmented_decode_is_exact_across_segment_bounds(tiny, hf_model):
+    """A 56-token generation decodes in two segments (attention over 16 + 32, then 16 + 56
+    cache positions). Would catch a segment that attends over fewer positions than are filled
+    (a bound off by one drops the newest key), a cache that is re-zeroed or not carried from
+    one segment to the next, or a step counter that restarts: sampled log-probs must equal
+    teacher forcing at every position and greedy tokens must equal Hugging Face `generate`."""
+    import torch
+
+    cfg, params = tiny
+    t = 56
+    assert sampler.decode_bounds(t) == (32, 56)
+    assert sampler.decode_bounds(8) == (8,) and sampler.decode_bounds(4096) == (
+        512,
+        1024,
+        2048,
+        4096,
+    )
+    sc = sampler.SamplingConfig(max_new_tokens=t, num_samples=4, stop_ids=())
+    out = jax.tree.map(
+        np.asarray, sampler.sample(cfg, params, PROMPTS, PMASK, sc, jax.random.key(3))
+    )
+    assert out.response_mask.all()
+    tf = np.asarray(_tf_logp(cfg, params, out.sequences, out.sequence_mask))[:, P:]
+    assert np.abs(tf - out.raw_logp).max() <= 1e-5
+
+    greedy = sampler.sample(
+        cfg, params, PROMPTS, PMASK, sc.replace(temperature=0.0, num_samples=1), jax.random.key(0)
+    )
+    with torch.no_grad():
+        ref = hf_model.generate(
+            torch.tensor(PROMPTS * PMASK, dtype=torch.long),
+            attention_mask=torch.tensor(PMASK, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=t,
+            min_new_tokens=t,
+            pad_token_id=0,
+        ).numpy()[:, P:]
+    np.testing.assert_array_equal(np.asarray(greedy.tokens), ref)
+
+
 # ----------------------------------------------------------------------------- invariances
 
 
@@ -393,13 +433,13 @@ def test_sharded_equals_unsharded(tiny):
 
 def test_fp8_quantisation_is_per_output_channel(tiny):
     cfg, params = tiny
-    q = sampler._prepare_fn("fp8")(params)
+    q = precision.prepare_fn("fp8")(params)
     attn = q["layers"][0]["attn"]
     assert attn["q"]["w8"].dtype == jnp.float8_e4m3fn
     assert attn["q"]["scale"].shape == (1, H, K) and attn["o"]["scale"].shape == (1, 1, D)
     assert q["layers"][0]["mlp"]["down"]["scale"].shape == (1, D)
     assert q["embed"].dtype == jnp.bfloat16 and q["final_norm"].dtype == jnp.float32
-    deq = jax.jit(sampler._dequantize)(q)
+    deq = jax.jit(precision.dequantize)(q)
     for name in ("q", "o"):
         w = np.asarray(params["layers"][0]["attn"][name])
         d = np.asarray(deq["layers"][0]["attn"][name], np.float32)

@@ -1,0 +1,107 @@
+"""Stateless pieces of the decoder: RMSNorm, rotary embeddings and the attention core.
+
+Axis alphabet as in model.py: B batch, T queries, S keys, N kv heads, G query heads per kv
+head, K head dim. model.py holds the parameters and wires these together.
+
+Attention has two code paths with the same numbers (tested against each other and against
+Hugging Face through the model):
+  - several queries (training forwards, the sampler's prefill): einsum contractions, optionally
+    `chunk` queries at a time with each chunk recomputed in the backward pass;
+  - one query per row (a decode step): elementwise multiply-and-sum over the keys. On XLA:CPU
+    the batched [G, K] x [K, S] dots of the einsum form run as B * N tiny matmuls and read the
+    cache at a third of memory bandwidth; the elementwise form is one fused loop over it, so a
+    decode step costs what reading the attended keys costs (2x faster per cached position
+    on the 32M-param bench model, tools/bench.py). Products and sums are float32 whatever the
+    cache dtype, as `preferred_element_type=float32` is on the einsum path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# Large finite negative instead of -inf: fully masked rows (left pads) must give finite
+# softmax outputs, never NaN, or NaNs leak into the cache and the gradients.
+MASK_VALUE = -1e30
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # Statistics in float32 whatever the compute dtype (HF does the same).
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight * y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> jax.Array:
+    k = head_dim
+    inv = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (default, llama3)")
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    low_wl, high_wl = old_len / low, old_len / high
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = jnp.where(wavelen > low_wl, inv / factor, inv)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+    return jnp.where(is_mid, mid, scaled)
+
+
+def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    # Non-interleaved (rotate-half) convention, as in the HF Llama/Qwen checkpoints.
+    angles = positions_BxT[..., None].astype(jnp.float32) * inv_freq  # B,T,K/2
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :]
+    x = x_BxTxHxK.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    return (x * cos + rotated * sin).astype(x_BxTxHxK.dtype)
+
+
+def attention(q_BxTxNxGxK, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS, query_idx_T, chunk: int):
+    """Causal, masked softmax attention; returns [B, T, N, G, K] in the compute dtype of q.
+
+    Query t attends to key s when s <= query_idx_T[t] and kv_mask_BxS[b, s]. `chunk` > 0 (with
+    T > chunk) computes `chunk` queries at a time, each recomputed in the backward pass, so no
+    [B, N, G, T, S] scores exist at once.
+    """
+    t, kd = q_BxTxNxGxK.shape[1], q_BxTxNxGxK.shape[-1]
+    key_idx = jnp.arange(k_BxNxSxK.shape[2])
+    dt = q_BxTxNxGxK.dtype
+    k_all, v_all = k_BxNxSxK.astype(dt), v_BxNxSxK.astype(dt)
+
+    if t == 1:  # one decode step: elementwise over the keys (see the module docstring)
+        mask_BxS = (key_idx <= query_idx_T[0])[None] & kv_mask_BxS
+        q = q_BxTxNxGxK[:, 0, :, :, None, :].astype(jnp.float32)  # B,N,G,1,K
+        scores = jnp.sum(q * k_all[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(kd)
+        scores = jnp.where(mask_BxS[:, None, None], scores, MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1)  # B,N,G,S float32
+        out = jnp.sum(probs[..., None] * v_all[:, :, None].astype(jnp.float32), axis=-2)
+        return out[:, None].astype(dt)
+
+    def attend(q_BxCxNxGxK, query_idx_C):
+        mask_BxCxS = (key_idx[None, :] <= query_idx_C[:, None])[None] & kv_mask_BxS[:, None]
+        scores = jnp.einsum(
+            "btngk,bnsk->bngts", q_BxCxNxGxK, k_all, preferred_element_type=jnp.float32
+        ) / math.sqrt(kd)
+        scores = jnp.where(mask_BxCxS[:, None, None], scores, MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        return jnp.einsum("bngts,bnsk->btngk", probs, v_all)
+
+    if chunk <= 0 or t <= chunk:
+        return attend(q_BxTxNxGxK, query_idx_T)
+    b, rest = q_BxTxNxGxK.shape[0], q_BxTxNxGxK.shape[2:]
+    pad = -t % chunk
+    qs = jnp.pad(q_BxTxNxGxK, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    qs = jnp.moveaxis(qs.reshape(b, -1, chunk, *rest), 1, 0)
+    idx = jnp.pad(query_idx_T, (0, pad)).reshape(-1, chunk)
+    out = jax.lax.map(lambda a: jax.checkpoint(attend)(*a), (qs, idx))
+    return jnp.moveaxis(out, 0, 1).reshape(b, -1, *rest)[:, :t]
