@@ -6,6 +6,7 @@ parameters and optimizer state), `tensor` (Megatron-style model parallel).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -145,8 +146,10 @@ def param_shardings(cfg, mesh: Mesh, mode: str = "train"):
 
 def under_mesh(fn, mesh: Mesh):
     """`fn` traced with `mesh` as the context mesh, so the model can constrain its activations
-    to batch-sharded rows (model.shard_rows). For functions passed to `jax.jit`."""
+    to batch-sharded rows (model.shard_rows). For functions passed to `jax.jit`; `fn`'s name
+    is kept, so compile logs say "jit(step)", not "jit(wrapped)"."""
 
+    @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args, **kwargs)
