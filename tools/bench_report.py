@@ -220,4 +220,15 @@ Headline ratios (the `--json` output):
 ```json
 {json.dumps(head, indent=1)}
 ```
-"""
+{notes()}"""
+
+
+NOTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_notes.md")
+
+
+def notes() -> str:
+    """The hand-written profile notes (tools/bench_notes.md: what was profiled, what was
+    predicted and what came out), carried into every BENCHMARKS.md a run writes."""
+    if not os.path.exists(NOTES):
+        return ""
+    return "\n" + open(NOTES).read()
