@@ -350,41 +350,40 @@ def test_greedy_equals_hf_generate(tiny, hf_model):
     np.testing.assert_array_equal(out.tokens[::NS], ref)
 
 
-def test_segmented_decode_is_exact_across_segment_bounds(tiny, hf_model):
-    """A 56-token generation decodes in two segments (attention over 16 + 32, then 16 + 56
-    cache positions). Would catch a segment that attends over fewer positions than are filled
-    (a bound off by one drops the newest key), a cache that is re-zeroed or not carried from
-    one segment to the next, or a step counter that restarts: sampled log-probs must equal
-    teacher forcing at every position and greedy tokens must equal Hugging Face `generate`."""
-    import torch
+SEGMENTED_T = 56  # decodes in two segments: attention over 16 + 32, then 16 + 56 positions
 
+
+def test_segmented_decode_equals_teacher_forcing(tiny):
+    """Would catch a decode segment that attends over fewer cache positions than are filled
+    (planted: a bound 2 short, error 0.55), a cache re-zeroed or not carried from one segment to
+    the next, or a step counter that restarts: a 56-token generation must give the teacher-forced
+    log-prob at every position."""
     cfg, params = tiny
-    t = 56
-    assert sampler.decode_bounds(t) == (32, 56)
-    assert sampler.decode_bounds(8) == (8,) and sampler.decode_bounds(4096) == (
-        512,
-        1024,
-        2048,
-        4096,
-    )
-    sc = sampler.SamplingConfig(max_new_tokens=t, num_samples=4, stop_ids=())
-    out = jax.tree.map(
-        np.asarray, sampler.sample(cfg, params, PROMPTS, PMASK, sc, jax.random.key(3))
-    )
+    assert sampler.decode_bounds(SEGMENTED_T) == (32, 56)
+    assert sampler.decode_bounds(8) == (8,)
+    assert sampler.decode_bounds(4096) == (512, 1024, 2048, 4096)
+    sc = sampler.SamplingConfig(max_new_tokens=SEGMENTED_T, num_samples=4, stop_ids=())
+    out = sampler.sample(cfg, params, PROMPTS, PMASK, sc, jax.random.key(3))
+    out = jax.tree.map(np.asarray, out)
     assert out.response_mask.all()
     tf = np.asarray(_tf_logp(cfg, params, out.sequences, out.sequence_mask))[:, P:]
     assert np.abs(tf - out.raw_logp).max() <= 1e-5
 
-    greedy = sampler.sample(
-        cfg, params, PROMPTS, PMASK, sc.replace(temperature=0.0, num_samples=1), jax.random.key(0)
-    )
+
+def test_segmented_greedy_equals_hf_generate(tiny, hf_model):
+    """The same two-segment generation, greedy, against Hugging Face `generate`: tokens equal."""
+    import torch
+
+    cfg, params = tiny
+    sc = sampler.SamplingConfig(max_new_tokens=SEGMENTED_T, temperature=0.0, stop_ids=())
+    greedy = sampler.sample(cfg, params, PROMPTS, PMASK, sc, jax.random.key(0))
     with torch.no_grad():
         ref = hf_model.generate(
             torch.tensor(PROMPTS * PMASK, dtype=torch.long),
             attention_mask=torch.tensor(PMASK, dtype=torch.long),
             do_sample=False,
-            max_new_tokens=t,
-            min_new_tokens=t,
+            max_new_tokens=SEGMENTED_T,
+            min_new_tokens=SEGMENTED_T,
             pad_token_id=0,
         ).numpy()[:, P:]
     np.testing.assert_array_equal(np.asarray(greedy.tokens), ref)
