@@ -11,8 +11,9 @@ Hugging Face through the model):
     the batched [G, K] x [K, S] dots of the einsum form run as B * N tiny matmuls and read the
     cache at a third of memory bandwidth; the elementwise form is one fused loop over it, so a
     decode step costs what reading the attended keys costs (2x faster per cached position
-    on the 32M-param bench model, tools/bench.py). Products and sums are float32 whatever the
-    cache dtype, as `preferred_element_type=float32` is on the einsum path.
+    on the 32M-param bench model, tools/bench.py). As on the einsum path, scores are float32
+    products and sums, the softmax probabilities are rounded to the compute dtype before the
+    value product (as bf16 attention kernels do), and the output is in the compute dtype.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def attention(q_BxTxNxGxK, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS, query_idx_T, chunk
         q = q_BxTxNxGxK[:, 0, :, :, None, :].astype(jnp.float32)  # B,N,G,1,K
         scores = jnp.sum(q * k_all[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(kd)
         scores = jnp.where(mask_BxS[:, None, None], scores, MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1)  # B,N,G,S float32
+        # probabilities rounded to the compute dtype, as the einsum path (and bf16 attention
+        # kernels) feed them to the value product; sums in float32
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(jnp.float32)  # B,N,G,S
         out = jnp.sum(probs[..., None] * v_all[:, :, None].astype(jnp.float32), axis=-2)
         return out[:, None].astype(dt)
 
