@@ -266,10 +266,9 @@ class _Decode:
 
     def __init__(self, cfg, st, mesh):
         kw = dict(cfg=cfg, st=st, mesh=mesh)
-        self.bounds = decode_bounds(st.max_new_tokens)
         self.segments = [
             jax.jit(functools.partial(_decode_segment, bound=b, **kw), donate_argnums=(1,))
-            for b in self.bounds
+            for b in decode_bounds(st.max_new_tokens)
         ]
 
     def __call__(self, params, s: _DecodeState, temperature, top_p) -> _DecodeState:

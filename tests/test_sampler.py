@@ -140,6 +140,21 @@ def hf_model():
     return hf
 
 
+def _hf_greedy(hf_model, **generate_kw):
+    """Hugging Face greedy `generate` on the shared left-padded prompts: the response tokens."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor(PROMPTS * PMASK, dtype=torch.long),
+            attention_mask=torch.tensor(PMASK, dtype=torch.long),
+            do_sample=False,
+            pad_token_id=0,
+            **generate_kw,
+        )
+    return out.numpy()[:, P:]
+
+
 _RUNS = {}
 
 
@@ -334,18 +349,9 @@ def test_greedy_equals_argmax_loop(tiny):
 
 def test_greedy_equals_hf_generate(tiny, hf_model):
     """Hugging Face greedy generate with the same weights and stop ids, left-padded batch."""
-    import torch
 
     out = _run(*tiny, temperature=0.0)
-    with torch.no_grad():
-        ref = hf_model.generate(
-            torch.tensor(PROMPTS * PMASK, dtype=torch.long),
-            attention_mask=torch.tensor(PMASK, dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=T,
-            eos_token_id=list(STOP),
-            pad_token_id=0,
-        ).numpy()[:, P:]
+    ref = _hf_greedy(hf_model, max_new_tokens=T, eos_token_id=list(STOP))
     ref = np.pad(ref, ((0, 0), (0, T - ref.shape[1])))  # HF stops once every row is done
     np.testing.assert_array_equal(out.tokens[::NS], ref)
 
@@ -372,20 +378,10 @@ def test_segmented_decode_equals_teacher_forcing(tiny):
 
 def test_segmented_greedy_equals_hf_generate(tiny, hf_model):
     """The same two-segment generation, greedy, against Hugging Face `generate`: tokens equal."""
-    import torch
-
     cfg, params = tiny
     sc = sampler.SamplingConfig(max_new_tokens=SEGMENTED_T, temperature=0.0, stop_ids=())
     greedy = sampler.sample(cfg, params, PROMPTS, PMASK, sc, jax.random.key(0))
-    with torch.no_grad():
-        ref = hf_model.generate(
-            torch.tensor(PROMPTS * PMASK, dtype=torch.long),
-            attention_mask=torch.tensor(PMASK, dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=SEGMENTED_T,
-            min_new_tokens=SEGMENTED_T,
-            pad_token_id=0,
-        ).numpy()[:, P:]
+    ref = _hf_greedy(hf_model, max_new_tokens=SEGMENTED_T, min_new_tokens=SEGMENTED_T)
     np.testing.assert_array_equal(np.asarray(greedy.tokens), ref)
 
 
