@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import array_metadata_store  # pinned orbax 0.12.8
 
+from ess_jax import hosts
 from ess_jax.ckpt_tree import check_tree, flat, place_shardings
 from ess_jax.errors import UserError
 
@@ -168,8 +169,12 @@ class Checkpointer:
             ) from e
         self.directory.mkdir(parents=True, exist_ok=True)  # lazily: restore must not create it
         self._mngr.reload()  # the step list may have changed on disk (another run, cleanup)
-        if step in self._mngr.all_steps():
-            if self._committed(step):
+        # 0 absent, 1 present, 2 committed; process 0's view, so every process of a multi-host
+        # run goes on to orbax's save (a collective) or skips it alike
+        local = 2 if self._committed(step) else 1 if step in self._mngr.all_steps() else 0
+        on_disk = hosts.from_process0("checkpoint.save", local)
+        if on_disk:
+            if on_disk == 2:
                 logging.info(
                     "checkpoint step %d already in %s; not saving again", step, self.directory
                 )
@@ -198,9 +203,26 @@ class Checkpointer:
         if self._keep is None:
             return
         self._mngr.reload()
-        for step in self._mngr.all_steps():
-            if sum(v > step for v in self._verified) >= self._keep:
-                self._mngr.delete(step)
+        doomed = [
+            s for s in self._mngr.all_steps() if sum(v > s for v in self._verified) >= self._keep
+        ]
+        # Process 0 alone decides and deletes: another host may not have seen the new step
+        # commit yet when it read it back (orbax's own delete is a barrier that hosts deciding
+        # differently reached or not: the pod hung). No host may be listing the directory
+        # while a step goes (orbax's listing stats every step it found: FileNotFoundError).
+        hosts.barrier("checkpoint.prune.listed")
+        if jax.process_index() == 0:
+            for step in doomed:
+                self._remove(step)
+        hosts.barrier("checkpoint.prune.removed")
+        self._mngr.reload()
+
+    def _remove(self, step: int) -> None:
+        """Delete a step: renamed first (atomic), so no listing finds it half deleted."""
+        src = self.directory / str(step)
+        dst = self.directory / f".deleting-{step}-{os.getpid()}"
+        os.rename(src, dst)
+        shutil.rmtree(dst)
 
     def _readable(self, step: int) -> bool:
         """A cheap read-back of a step just written: commit marker, metadata JSON and the array
@@ -262,18 +284,27 @@ class Checkpointer:
         `<step>.unreadable` (so the run may write that step again). If none reads back, the
         newest one's error is raised with nothing on disk changed."""
         bad, first = [], None
-        for step in reversed(self.all_steps()):
+        steps = hosts.from_process0("checkpoint.steps", self.all_steps())
+        for step in reversed(steps):  # every host tries the same steps
             try:
-                out = self.restore(abstract_fn(self.read_metadata(step)), step)
+                out, err = self.restore(abstract_fn(self.read_metadata(step)), step), None
             except CheckpointError as e:
+                out, err = None, e
+            ok = hosts.on_every_process("checkpoint.restored", err is None)
+            if not ok and err is None:  # each host reads only its own shards
+                err = CheckpointError(
+                    f"checkpoint step {step} in {self.directory} did not read back on another "
+                    "process of this run"
+                )
+            if err is not None:
                 if not fallback:
                     older = [s for s in self.all_steps() if s < step]
                     raise CheckpointError(
-                        f"{e}; not falling back to older steps {older} "
+                        f"{err}; not falling back to older steps {older} "
                         "(train.restore_fallback=False)"
-                    ) from e
-                logging.warning("%s; trying the previous checkpoint", e)
-                bad, first = bad + [step], first or e
+                    ) from err
+                logging.warning("%s; trying the previous checkpoint", err)
+                bad, first = bad + [step], first or err
                 continue
             for s in bad:
                 logging.warning("restored step %d; unreadable %s", step, self._set_aside(s))
@@ -288,8 +319,10 @@ class Checkpointer:
         dst, n = self.directory / f"{step}.unreadable", 1
         while dst.exists():
             dst, n = self.directory / f"{step}.unreadable.{n}", n + 1
+        hosts.barrier("checkpoint.aside.before")  # no host is listing the directory
         if jax.process_index() == 0:
             shutil.move(str(src), str(dst))
+        hosts.barrier("checkpoint.aside.after")
         self._mngr.reload()
         return f"step {step} moved to {dst}"
 

@@ -223,8 +223,9 @@ def _placer(cfg: ModelConfig, mesh: Mesh | None, layout: str):
         return lambda path, x: jnp.asarray(x)
     shardings = sharding.param_shardings(cfg, mesh, layout)
     flat = {tuple(_key(e) for e in p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
-    # device_put of a host array with a NamedSharding sends each device only its shard.
-    return lambda path, x: jax.device_put(x, flat[path])
+    # Each device gets only its shard; with several processes, each host places only its own
+    # devices' slices (every host reads the same file).
+    return lambda path, x: sharding.put_host_array(x, flat[path])
 
 
 def _with_dtype(cfg: ModelConfig, dtype) -> ModelConfig:

@@ -332,3 +332,35 @@ def test_late_read_callbacks_after_a_failed_restore_are_silenced_and_nothing_els
     for e in dropped + passed:
         hook(types.SimpleNamespace(exc_value=e, object=None))
     assert seen == passed
+
+
+def test_hosts_make_the_same_agreement_calls_and_only_process_0_deletes(tmp_path, monkeypatch):
+    """Catches the multi-host hang of the pod test: after a save, process 1 had not yet seen the
+    new step commit, so its keep-N deleted nothing while process 0 sat in orbax's delete (a
+    barrier), and process 1 went on to the next collective. Whatever a host sees, it must make
+    the same agreement calls as process 0 (same names, same order), and only process 0 may
+    delete. Here one process plays each host in turn."""
+    from ess_jax import checkpoint, hosts
+
+    calls = []
+    monkeypatch.setattr(hosts, "barrier", lambda name: calls.append(name))
+    monkeypatch.setattr(hosts, "from_process0", lambda name, v: calls.append(name) or v)
+
+    def prune_as(process: int, sees_new_step: bool) -> tuple[list, list]:
+        d = tmp_path / f"p{process}{sees_new_step}"
+        ckpt = Checkpointer(str(d), keep=1)
+        ckpt.save(1, _small(1), {"s": 1})
+        ckpt._async = True  # leave step 2 pending, as an async save does
+        ckpt.save(2, _small(2), {"s": 2})
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(ckpt, "_readable", lambda step: sees_new_step)
+            m.setattr(checkpoint.jax, "process_index", lambda: process)
+            ckpt.wait()  # keep-N
+        ckpt.close()
+        return list(calls), sorted(os.listdir(d))
+
+    agreed = ["checkpoint.prune.listed", "checkpoint.prune.removed"]
+    assert prune_as(0, True) == (agreed, ["2"])  # keep-1: process 0 deletes step 1
+    assert prune_as(1, False) == (agreed, ["1", "2"])  # has not seen step 2 commit
+    assert prune_as(1, True) == (agreed, ["1", "2"])  # would delete, but it is not process 0
