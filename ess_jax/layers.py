@@ -5,23 +5,16 @@ head, K head dim. model.py holds the parameters and wires these together.
 
 Attention has two code paths with the same numbers (both checked against teacher forcing and
 Hugging Face through the model and sampler tests):
-  - `attention`, several queries (training forwards, the sampler's prefill): einsum
-    contractions, optionally `chunk` queries at a time with each chunk recomputed in the
-    backward pass;
-  - `decode_attention`, one query per row (a decode step) against the KV cache, whose keys are
-    stored transposed, [B, N, K, S]. A decode step is a matrix-vector product per (row, kv
-    head): it costs what reading the attended cache costs. XLA:CPU turns either form of the
-    score product into a batched dot; with keys as [B, N, S, K] the contraction runs along
-    the minor axis (a horizontal sum per key), with [B, N, K, S] it streams along S as the
-    value product does. Attention alone, 8 layers at tools/bench.py's decode shapes (32 rows,
-    4 kv heads x 2 query heads, 320 cached positions, float32), median of 7 alternated runs:
-    27.6 ms per step with [B, N, S, K], 16.3 ms with [B, N, K, S] (min 20.6 vs 14.4).
-    Before that, an elementwise multiply-and-sum had replaced the einsum (2746 -> 1339 us
-    per layer and step at 256 positions); the profile showed XLA rewrites it into the same
-    dot.
-  As on the einsum path, scores are float32 products and sums, the softmax probabilities are
-  rounded to the compute dtype before the value product (as bf16 attention kernels do), and
-  the output is in the compute dtype.
+  - several queries (training forwards, the sampler's prefill): einsum contractions, optionally
+    `chunk` queries at a time with each chunk recomputed in the backward pass;
+  - one query per row (a decode step): elementwise multiply-and-sum over the keys. On XLA:CPU
+    the batched [G, K] x [K, S] dots of the einsum form run as B * N tiny matmuls; the
+    elementwise form is one fused loop over the cache, so a decode step costs what reading the
+    attended keys costs (attention alone at tools/bench.py's model shapes, 32 rows, 256 cached
+    positions: 2746 -> 1339 us per layer and step, measured when this path was written). As
+    on the einsum path, scores are float32 products and sums, the softmax probabilities are
+    rounded to the compute dtype before the value product (as bf16 attention kernels do), and
+    the output is in the compute dtype.
 """
 
 from __future__ import annotations
@@ -75,43 +68,34 @@ def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Arr
     return (x * cos + rotated * sin).astype(x_BxTxHxK.dtype)
 
 
-def decode_attention(q_BxNxGxK, k_BxNxKxS, v_BxNxSxK, kv_mask_BxS, query_idx):
-    """One query per row at position `query_idx` (a scalar) over cached keys stored as
-    [B, N, K, S]; returns [B, 1, N, G, K] in the compute dtype of q (see the module docstring)."""
-    kd, dt = q_BxNxGxK.shape[-1], q_BxNxGxK.dtype
-    mask_BxS = (jnp.arange(k_BxNxKxS.shape[-1]) <= query_idx)[None] & kv_mask_BxS
-    q, k = q_BxNxGxK.astype(jnp.float32), k_BxNxKxS.astype(dt).astype(jnp.float32)
-    scores = jnp.einsum("bngk,bnks->bngs", q, k) / math.sqrt(kd)
-    scores = jnp.where(mask_BxS[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(jnp.float32)  # B,N,G,S
-    out = jnp.sum(probs[..., None] * v_BxNxSxK.astype(dt)[:, :, None].astype(jnp.float32), -2)
-    return out[:, None].astype(dt)
-
-
-def attention(
-    q_BxTxNxGxK, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS, query_idx_T, chunk: int, f32_scores=False
-):
+def attention(q_BxTxNxGxK, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS, query_idx_T, chunk: int):
     """Causal, masked softmax attention; returns [B, T, N, G, K] in the compute dtype of q.
 
     Query t attends to key s when s <= query_idx_T[t] and kv_mask_BxS[b, s]. `chunk` > 0 (with
     T > chunk) computes `chunk` queries at a time, each recomputed in the backward pass, so no
-    [B, N, G, T, S] scores exist at once. `f32_scores` feeds the score product float32 copies
-    of q and k (the same numbers: a product of two bfloat16 values is exact in float32), for
-    keys read from the transposed cache, a layout in which XLA:CPU has no bfloat16 x bfloat16
-    -> float32 dot.
+    [B, N, G, T, S] scores exist at once.
     """
     t, kd = q_BxTxNxGxK.shape[1], q_BxTxNxGxK.shape[-1]
     key_idx = jnp.arange(k_BxNxSxK.shape[2])
     dt = q_BxTxNxGxK.dtype
     k_all, v_all = k_BxNxSxK.astype(dt), v_BxNxSxK.astype(dt)
 
+    if t == 1:  # one decode step: elementwise over the keys (see the module docstring)
+        mask_BxS = (key_idx <= query_idx_T[0])[None] & kv_mask_BxS
+        q = q_BxTxNxGxK[:, 0, :, :, None, :].astype(jnp.float32)  # B,N,G,1,K
+        scores = jnp.sum(q * k_all[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(kd)
+        scores = jnp.where(mask_BxS[:, None, None], scores, MASK_VALUE)
+        # probabilities rounded to the compute dtype, as the einsum path (and bf16 attention
+        # kernels) feed them to the value product; sums in float32
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(jnp.float32)  # B,N,G,S
+        out = jnp.sum(probs[..., None] * v_all[:, :, None].astype(jnp.float32), axis=-2)
+        return out[:, None].astype(dt)
+
     def attend(q_BxCxNxGxK, query_idx_C):
         mask_BxCxS = (key_idx[None, :] <= query_idx_C[:, None])[None] & kv_mask_BxS[:, None]
-        qs, ks = (q_BxCxNxGxK, k_all)
-        if f32_scores:
-            qs, ks = qs.astype(jnp.float32), ks.astype(jnp.float32)
-        scores = jnp.einsum("btngk,bnsk->bngts", qs, ks, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(kd)
+        scores = jnp.einsum(
+            "btngk,bnsk->bngts", q_BxCxNxGxK, k_all, preferred_element_type=jnp.float32
+        ) / math.sqrt(kd)
         scores = jnp.where(mask_BxCxS[:, None, None], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         return jnp.einsum("bngts,bnsk->btngk", probs, v_all)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from ess_jax.layers import apply_rope, attention, decode_attention, rms_norm, rope_inv_freq
+from ess_jax.layers import apply_rope, attention, rms_norm, rope_inv_freq
 from ess_jax.sharding import BATCH
 
 Params = dict[str, Any]
@@ -127,36 +127,30 @@ class Attention(nnx.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling or ()))
         q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
 
-        b, t, h, kd = q.shape
-        n = k.shape[2]
-        q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
-        # Values as [B, N, S, K]: the layout the value einsum reads without a transpose (with
-        # [B, S, N, K] XLA:CPU copies the whole cache at every decode step).
-        v = v.transpose(0, 2, 1, 3)
+        t = x_BxTxD.shape[1]
+        # Keys/values as [B, N, S, K]: the layout the score einsum reads without a transpose
+        # (with [B, S, N, K] XLA:CPU copies the whole cache at every decode step).
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         if cache is None:  # full-sequence forward: keys are this call's tokens
-            out = attention(
-                q, k.transpose(0, 2, 1, 3), v, kv_mask_BxS, jnp.arange(t), cfg.logits_chunk
-            )
-            new_cache = None
-        else:  # write this call's keys into the fixed-length cache; keys as [B, N, K, S]
-            kt_all = jax.lax.dynamic_update_slice_in_dim(
-                cache["k"], k.transpose(0, 2, 3, 1).astype(cache["k"].dtype), cache_index, axis=3
+            k_all, v_all, new_cache = k, v, None
+            query_idx = jnp.arange(t)
+        else:  # write this call's keys into the fixed-length cache
+            k_all = jax.lax.dynamic_update_slice_in_dim(
+                cache["k"], k.astype(cache["k"].dtype), cache_index, axis=2
             )
             v_all = jax.lax.dynamic_update_slice_in_dim(
                 cache["v"], v.astype(cache["v"].dtype), cache_index, axis=2
             )
-            new_cache = {"k": kt_all, "v": v_all}
+            new_cache = {"k": k_all, "v": v_all}
+            query_idx = cache_index + jnp.arange(t)
             if attend_len is not None:  # attend over the filled prefix of the cache only
-                kt_all, v_all = kt_all[..., :attend_len], v_all[:, :, :attend_len]
+                k_all, v_all = k_all[:, :, :attend_len], v_all[:, :, :attend_len]
                 kv_mask_BxS = kv_mask_BxS[:, :attend_len]
-            if t == 1:  # a decode step
-                out = decode_attention(q[:, 0], kt_all, v_all, kv_mask_BxS, cache_index)
-            else:  # e.g. the prefill: the attended keys transposed back once
-                query_idx = cache_index + jnp.arange(t)
-                k_all = kt_all.transpose(0, 1, 3, 2)
-                out = attention(
-                    q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk, f32_scores=True
-                )
+
+        b, _, h, kd = q.shape
+        n = k_all.shape[1]
+        q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
+        out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk)
         out = out.reshape(b, t, h, kd)
         return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(dt)), new_cache
 
@@ -332,13 +326,10 @@ def bind(cfg: ModelConfig, params: Params) -> Decoder:
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[dict]:
-    """Zeroed KV cache: per layer keys {'k'} as [B, N, K, S] and values {'v'} as [B, N, S, K]
-    (the layouts a decode step streams along S; layers.decode_attention)."""
-    n, k, dt = cfg.num_kv_heads, cfg.head_dim, dtype or cfg.compute_dtype
-    return [
-        {"k": jnp.zeros((batch, n, k, length), dt), "v": jnp.zeros((batch, n, length, k), dt)}
-        for _ in range(cfg.num_layers)
-    ]
+    """Zeroed KV cache: per layer {'k','v'} of shape [B, N, S, K]."""
+    shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
+    dt = dtype or cfg.compute_dtype
+    return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.num_layers)]
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:

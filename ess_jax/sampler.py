@@ -148,13 +148,7 @@ def _constrain_state(s: _DecodeState, mesh) -> _DecodeState:
         done=_constrain(s.done, mesh, rows),
         positions=_constrain(s.positions, mesh, rows),
         kv_mask=_constrain(s.kv_mask, mesh, rows),
-        cache=[
-            {
-                "k": _constrain(c["k"], mesh, ("batch", "kv_heads", "head_dim", None)),
-                "v": _constrain(c["v"], mesh, ("batch", "kv_heads", None, "head_dim")),
-            }
-            for c in s.cache
-        ],
+        cache=_constrain(s.cache, mesh, ("batch", "kv_heads", None, "head_dim")),
     )
 
 
