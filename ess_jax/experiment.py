@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from ess_jax import layouts
 from ess_jax import model as model_lib
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
@@ -166,7 +167,7 @@ def load_policy(
             logits_chunk=mcfg.logits_chunk,
             remat=mcfg.remat,
         )
-        shardings = None if mesh is None else sharding_lib.param_shardings(cfg, mesh)
+        shardings = None if mesh is None else layouts.param_shardings(cfg, mesh)
         return cfg, model_lib.init_params(cfg, int(mcfg.init_seed), shardings), tok
     path = weights.smollm2_gguf_path() if source == "smollm2" else source
     cfg, params, tok = weights.load_checkpoint(path, mesh=mesh)

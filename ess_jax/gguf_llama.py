@@ -20,15 +20,8 @@ from pathlib import Path
 import numpy as np
 from jax.sharding import Mesh
 
+from ess_jax.hf_layout import flat_abstract, hf_shape, placer, to_ours, unflatten, with_dtype
 from ess_jax.model import ModelConfig
-from ess_jax.weights import (
-    _flat_abstract,
-    _hf_shape,
-    _placer,
-    _to_ours,
-    _unflatten,
-    _with_dtype,
-)
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +156,7 @@ def load_gguf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, lay
     d, h = meta("llama.embedding_length"), meta("llama.attention.head_count")
     n = meta("llama.attention.head_count_kv", h)
     tokenizer = _gguf_tokenizer(meta)
-    cfg = _with_dtype(
+    cfg = with_dtype(
         ModelConfig(
             vocab_size=meta("llama.vocab_size", int(tensors["token_embd.weight"].shape[-1])),
             hidden_size=d,
@@ -184,23 +177,23 @@ def load_gguf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, lay
         dtype,
     )
 
-    place = _placer(cfg, mesh, layout)
+    place = placer(cfg, mesh, layout)
     flat = {}
-    for p, x in _flat_abstract(cfg).items():
+    for p, x in flat_abstract(cfg).items():
         name = _gguf_name(p)
         if name not in tensors:
             raise KeyError(f"GGUF file {str(path)!r} is missing tensor {name!r}")
         t = tensors[name]
         w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy order: HF's [out, in]
-        want = _hf_shape(p, x.shape)
+        want = hf_shape(p, x.shape)
         if tuple(w.shape) != want:
             raise ValueError(
                 f"GGUF tensor {name!r} has shape {tuple(w.shape)}, the config needs {want}"
             )
         if p[-1] in ("q", "k"):
             w = _unpermute(w, h if p[-1] == "q" else n)
-        flat[p] = place(p, _to_ours(p, w, x.shape))
-    return cfg, _unflatten(cfg, flat), tokenizer
+        flat[p] = place(p, to_ours(p, w, x.shape))
+    return cfg, unflatten(cfg, flat), tokenizer
 
 
 def smollm2_gguf_path() -> str:

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
+from ess_jax import layouts
 from ess_jax import model as model_lib
 from ess_jax import sharding as sharding_lib
 from ess_jax.presets import GB, HBM
@@ -152,7 +153,7 @@ def param_bytes(cfg, mesh, mode: str, dtype=None) -> int:
     abstract = model_lib.abstract_params(cfg)
     if dtype is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), abstract)
-    return tree_bytes(abstract, sharding_lib.param_shardings(cfg, mesh, mode))
+    return tree_bytes(abstract, layouts.param_shardings(cfg, mesh, mode))
 
 
 def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
@@ -164,7 +165,7 @@ def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
     if precision == "float32":
         return 0
     total = 0.0
-    shardings = sharding_lib.param_shardings(cfg, mesh, "sample")
+    shardings = layouts.param_shardings(cfg, mesh, "sample")
     flat = jax.tree_util.tree_leaves_with_path(model_lib.abstract_params(cfg))
     for (path, x), s in zip(flat, jax.tree.leaves(shardings)):
         elems = math.prod(s.shard_shape(x.shape))
@@ -181,7 +182,7 @@ def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
 def embedding_bytes(cfg, mesh, dtype) -> int:
     """Per-device bytes of the embedding and LM head in the sample layout, in `dtype`."""
     abstract = model_lib.abstract_params(cfg)
-    shardings = sharding_lib.param_shardings(cfg, mesh, "sample")
+    shardings = layouts.param_shardings(cfg, mesh, "sample")
     keys = [k for k in ("embed", "lm_head") if k in abstract]
     return tree_bytes(
         [jax.ShapeDtypeStruct(abstract[k].shape, dtype) for k in keys], [shardings[k] for k in keys]
@@ -201,7 +202,7 @@ def optimizer_bytes(cfg, mesh, optim: dict) -> int:
         tx,
         lambda _, s: s,
         opt,
-        sharding_lib.param_shardings(cfg, mesh, "train"),
+        layouts.param_shardings(cfg, mesh, "train"),
         transform_non_params=lambda _: rep,
     )
     return tree_bytes(opt, opt_sh)

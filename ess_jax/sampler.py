@@ -45,7 +45,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from ess_jax import draw as draw_lib
-from ess_jax import model
+from ess_jax import layouts, model
 from ess_jax import precision as precision_lib
 from ess_jax import sharding as shd
 
@@ -312,7 +312,7 @@ def sample_layout(cfg: model.ModelConfig, params, mesh: Mesh | None = None):
     mesh = mesh if mesh is not None else _infer_mesh(params)
     if mesh is None or mesh.size == 1:
         return params
-    target = shd.param_shardings(cfg, mesh, "sample")
+    target = layouts.param_shardings(cfg, mesh, "sample")
     if any(
         getattr(x, "sharding", None) != t
         for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))

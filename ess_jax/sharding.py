@@ -134,16 +134,6 @@ def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules: Mapping[str, 
     )
 
 
-def param_shardings(cfg, mesh: Mesh, mode: str = "train"):
-    """Shardings of the model params in the `train` or `sample` layout."""
-    from ess_jax import model  # local: sharding.py is imported by model users, not vice versa
-
-    rules = {"train": TRAIN_RULES, "sample": SAMPLE_RULES}.get(mode)
-    if rules is None:
-        raise ValueError(f"unknown sharding mode {mode!r}; valid: train, sample")
-    return tree_shardings(model.abstract_params(cfg), model.logical_axes(cfg), mesh, rules)
-
-
 def under_mesh(fn, mesh: Mesh):
     """`fn` traced with `mesh` as the context mesh, so the model can constrain its activations
     to batch-sharded rows (model.shard_rows). For functions passed to `jax.jit`; `fn`'s name

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from ess_jax import dynamic_sampling, experiment, steps
+from ess_jax import dynamic_sampling, experiment, layouts, steps
 from ess_jax import evaluate as eval_lib
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
@@ -73,7 +73,7 @@ class Run:
         self.rollout_cfg = _with_stop_ids(config.rollout, self.stop_ids)
         self.train_examples, self.test_examples = experiment.load_examples(config.task)
         self.reward_fn = rewards_lib.get_reward(config.task.reward)
-        self.sample_sh = sharding_lib.param_shardings(self.cfg, self.mesh, "sample")
+        self.sample_sh = layouts.param_shardings(self.cfg, self.mesh, "sample")
         self.obj_cfg = obj_lib.ObjectiveConfig.from_dict(config.objective.to_dict())
         ocfg = {
             **config.optim.to_dict(),

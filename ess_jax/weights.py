@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ess_jax import model, sharding
+from ess_jax import gguf_llama, hf_layout
+from ess_jax.gguf_llama import load_gguf, smollm2_gguf_path  # noqa: F401 (re-exported)
 from ess_jax.model import ModelConfig, Params
 
 log = logging.getLogger(__name__)
@@ -157,81 +157,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-# ----------------------------------------------------------------------------- tensor layout
-
-_LAYER_NAMES = {
-    ("attn_norm",): "input_layernorm.weight",
-    ("mlp_norm",): "post_attention_layernorm.weight",
-    **{("attn", n): f"self_attn.{n}_proj.weight" for n in "qkvo"},
-    **{("attn", f"{n}_bias"): f"self_attn.{n}_proj.bias" for n in "qkv"},
-    **{("attn", f"{n}_norm"): f"self_attn.{n}_norm.weight" for n in "qk"},
-    **{("mlp", n): f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")},
-}
-_TOP_NAMES = {
-    "embed": "model.embed_tokens.weight",
-    "final_norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-}
-_MATRICES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1, "lm_head": 1}
-
-
-def _key(entry) -> str | int:
-    return entry.key if hasattr(entry, "key") else entry.idx
-
-
-def _flat_abstract(cfg: ModelConfig) -> dict[tuple, jax.ShapeDtypeStruct]:
-    leaves = jax.tree_util.tree_leaves_with_path(model.abstract_params(cfg))
-    return {tuple(_key(e) for e in path): x for path, x in leaves}
-
-
-def _hf_name(path: tuple) -> str:
-    if path[0] == "layers":
-        return f"model.layers.{path[1]}.{_LAYER_NAMES[path[2:]]}"
-    return _TOP_NAMES[path[0]]
-
-
-def _hf_shape(path: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
-    n_in = _MATRICES.get(path[-1])
-    if n_in is not None:  # torch Linear: [out, in]
-        return math.prod(shape[n_in:]), math.prod(shape[:n_in])
-    if path[-1] == "embed":
-        return shape
-    return (math.prod(shape),)
-
-
-def _to_ours(path: tuple, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    w = w.astype(np.float32)  # float32 masters, whatever the checkpoint's dtype
-    return np.ascontiguousarray(w.T if path[-1] in _MATRICES else w).reshape(shape)
-
-
-def _to_hf(path: tuple, x: np.ndarray) -> np.ndarray:
-    n_in = _MATRICES.get(path[-1])
-    if n_in is None:
-        return x.reshape(_hf_shape(path, x.shape))
-    return np.ascontiguousarray(x.reshape(math.prod(x.shape[:n_in]), -1).T)
-
-
-def _unflatten(cfg: ModelConfig, flat: Mapping[tuple, Any]) -> Params:
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: flat[tuple(_key(e) for e in path)], model.abstract_params(cfg)
-    )
-
-
-def _placer(cfg: ModelConfig, mesh: Mesh | None, layout: str):
-    """Function (path, host array) -> device array, on its sharding when a mesh is given."""
-    if mesh is None:
-        return lambda path, x: jnp.asarray(x)
-    shardings = sharding.param_shardings(cfg, mesh, layout)
-    flat = {tuple(_key(e) for e in p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
-    # Each device gets only its shard; with several processes, each host places only its own
-    # devices' slices (every host reads the same file).
-    return lambda path, x: sharding.put_host_array(x, flat[path])
-
-
-def _with_dtype(cfg: ModelConfig, dtype) -> ModelConfig:
-    return cfg if dtype is None else cfg.replace(dtype=jnp.dtype(dtype).name)
-
-
 # ----------------------------------------------------------------------------- Hugging Face
 
 
@@ -276,10 +201,10 @@ def load_hf(
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
-    cfg = _with_dtype(config_from_hf(_read_config(path)), dtype)
+    cfg = hf_layout.with_dtype(config_from_hf(_read_config(path)), dtype)
     weight_map = _weight_map(path)
-    abstract = _flat_abstract(cfg)
-    names = {p: _hf_name(p) for p in abstract}
+    abstract = hf_layout.flat_abstract(cfg)
+    names = {p: hf_layout.hf_name(p) for p in abstract}
     missing = [n for n in names.values() if n not in weight_map]
     if missing:
         raise KeyError(
@@ -293,23 +218,23 @@ def load_hf(
     by_file = defaultdict(list)
     for p, name in names.items():
         by_file[weight_map[name]].append(p)
-    place = _placer(cfg, mesh, layout)
+    place = hf_layout.placer(cfg, mesh, layout)
     flat = {}
     for file, paths in sorted(by_file.items()):
         try:
             with safe_open(path / file, framework="numpy") as f:
                 for p in paths:  # one tensor on the host at a time
                     w = f.get_tensor(names[p])
-                    want = _hf_shape(p, abstract[p].shape)
+                    want = hf_layout.hf_shape(p, abstract[p].shape)
                     if tuple(w.shape) != want:
                         raise ValueError(
                             f"tensor {names[p]!r} in {file!r} has shape "
                             f"{tuple(w.shape)}, the config needs {want}"
                         )
-                    flat[p] = place(p, _to_ours(p, w, abstract[p].shape))
+                    flat[p] = place(p, hf_layout.to_ours(p, w, abstract[p].shape))
         except SafetensorError as e:
             raise ValueError(f"cannot read {str(path / file)!r} (truncated?): {e}") from e
-    return cfg, _unflatten(cfg, flat)
+    return cfg, hf_layout.unflatten(cfg, flat)
 
 
 def _host(x) -> np.ndarray:
@@ -335,8 +260,11 @@ def save_hf(
     from safetensors.numpy import save_file
 
     path = Path(path)
-    abstract = _flat_abstract(cfg)
-    leaves = {tuple(_key(e) for e in p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    abstract = hf_layout.flat_abstract(cfg)
+    leaves = {
+        tuple(hf_layout.path_key(e) for e in p): x
+        for p, x in jax.tree_util.tree_leaves_with_path(params)
+    }
     if set(leaves) != set(abstract):
         diff = sorted(map(str, set(leaves) ^ set(abstract)))
         raise ValueError(f"params do not match the config; differing entries: {diff[:5]}")
@@ -368,7 +296,7 @@ def save_hf(
         (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
     weight_map, total = {}, 0
     for file, shard in zip(files, shards):
-        tensors = {_hf_name(p): _to_hf(p, _host(leaves[p])) for p in shard}
+        tensors = {hf_layout.hf_name(p): hf_layout.to_hf(p, _host(leaves[p])) for p in shard}
         total += sum(t.nbytes for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file))
         if writer:
@@ -397,22 +325,7 @@ def load_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, dtype=Non
             tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cfg, params, tokenizer
     if path.suffix == ".gguf":
-        from ess_jax import gguf_llama
-
         return gguf_llama.load_gguf(path, mesh, dtype)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}")
     raise ValueError(f"{str(path)!r} is neither an HF checkpoint directory nor a .gguf file")
-
-
-# gguf_llama imports this module's tensor-layout helpers, so it cannot be imported at the
-# top; these names resolve to it lazily (PEP 562) for callers of weights.load_gguf & co.
-_GGUF_NAMES = ("load_gguf", "smollm2_gguf_path", "_gguf_name", "_unpermute", "_gguf_tokenizer")
-
-
-def __getattr__(name: str):
-    if name in _GGUF_NAMES:
-        from ess_jax import gguf_llama
-
-        return getattr(gguf_llama, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ess_jax import model, sharding
+from ess_jax import layouts, model, sharding
 from ess_jax.checkpoint import Checkpointer, CheckpointError
 
 CFG = model.ModelConfig()
@@ -22,7 +22,7 @@ META = {
 
 
 def _abstract_params(mesh):
-    shardings = sharding.param_shardings(CFG, mesh, "train")
+    shardings = layouts.param_shardings(CFG, mesh, "train")
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         model.abstract_params(CFG),
@@ -134,7 +134,7 @@ def test_jit_tx_init_count_trap(saved, tmp_path):
     """
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     tx = optax.adam(1e-3)
-    params = jax.device_put(saved[1]["params"], sharding.param_shardings(CFG, mesh))
+    params = jax.device_put(saved[1]["params"], layouts.param_shardings(CFG, mesh))
     opt = jax.jit(tx.init)(params)
     assert len(opt[0].count.sharding.device_set) == 1  # the trap is real on this jax
     ckpt = Checkpointer(str(tmp_path))

@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs.paper import common as paper
-from ess_jax import experiment, memory, model, presets, sharding
+from ess_jax import experiment, layouts, memory, model, presets, sharding
 from ess_jax.optim import make_optimizer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -86,7 +86,7 @@ def check_shardings(c, num_devices: int) -> None:
     mesh = memory.abstract_mesh(sharding.mesh_shape(dict(c.mesh), num_devices))
     cfg = memory.model_config(c.model)
     params = model.abstract_params(cfg)
-    train_sh = sharding.param_shardings(cfg, mesh, "train")
+    train_sh = layouts.param_shardings(cfg, mesh, "train")
     tx = make_optimizer({**c.optim.to_dict(), "total_steps": 1})
     opt = memory._optimizer_shapes(cfg, tuple(sorted(c.optim.to_dict().items())))
     rep = NamedSharding(mesh, PartitionSpec())
@@ -97,7 +97,7 @@ def check_shardings(c, num_devices: int) -> None:
         for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
             if x.size >= LARGE and mesh.size > 1:
                 assert not s.is_fully_replicated, (x.shape, s)
-    for s in jax.tree.leaves(sharding.param_shardings(cfg, mesh, "sample")):
+    for s in jax.tree.leaves(layouts.param_shardings(cfg, mesh, "sample")):
         assert "fsdp" not in jax.tree.leaves(tuple(s.spec))  # no FSDP all-gathers per token
 
 

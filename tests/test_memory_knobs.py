@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from ess_jax import model, rollout, sharding, steps
+from ess_jax import layouts, model, rollout, sharding, steps
 from ess_jax.data import char_tokenizer
 
 CFG = model.ModelConfig(
@@ -54,7 +54,7 @@ def test_chunked_scoring_pass_equals_one_pass():
     """Catches: the strided row chunks of the prox / reference scoring pass merged back in the
     wrong order (each sequence would get another sequence's pi_prox)."""
     mesh = sharding.make_mesh({"fsdp": 8})
-    params = model.init_params(CFG, 1, sharding.param_shardings(CFG, mesh))
+    params = model.init_params(CFG, 1, layouts.param_shardings(CFG, mesh))
     rng = np.random.default_rng(1)
     tokens = rng.integers(3, 48, (32, 12)).astype(np.int32)
     mask = np.ones((32, 12), bool)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ess_jax import model, sharding, weights
+from ess_jax import layouts, model, sharding, weights
 
 TOL = 1e-4  # float32 max abs logit difference allowed against PyTorch
 
@@ -181,7 +181,7 @@ def test_jit_equals_no_jit(tiny):
 def test_sharded_forward_equals_single_device(tiny):
     cfg, params = tiny
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    shardings = sharding.param_shardings(cfg, mesh, "train")
+    shardings = layouts.param_shardings(cfg, mesh, "train")
     sharded_params = jax.device_put(params, shardings)
     assert sharded_params["layers"][0]["mlp"]["gate"].sharding.spec == jax.P("fsdp", "tensor")
     tokens = _tokens(cfg.vocab_size, b=4)

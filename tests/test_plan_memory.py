@@ -48,7 +48,7 @@ def _train_case(case):
     import jax
     import jax.numpy as jnp
 
-    from ess_jax import memory, model, objectives, sharding, steps
+    from ess_jax import layouts, memory, model, objectives, sharding, steps
     from ess_jax.optim import make_optimizer
 
     cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
@@ -56,7 +56,7 @@ def _train_case(case):
     tx = make_optimizer(OPTIM)
     with_sh = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     params = jax.tree.map(
-        with_sh, model.abstract_params(cfg), sharding.param_shardings(cfg, mesh, "train")
+        with_sh, model.abstract_params(cfg), layouts.param_shardings(cfg, mesh, "train")
     )
     state, state_sh = _abstract_state(params, tx)
     b, p, t = case["rows"], case["prompt"], case["prompt"] + case["response"]
@@ -105,7 +105,7 @@ def _sample_case(case):
     import jax
     import jax.numpy as jnp
 
-    from ess_jax import memory, model, sampler, sharding
+    from ess_jax import layouts, memory, model, sampler, sharding
     from ess_jax import precision as precision_lib
 
     n_dev, precision = case["devices"], case["precision"]
@@ -117,7 +117,7 @@ def _sample_case(case):
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             params,
-            sharding.param_shardings(cfg, mesh, "sample"),
+            layouts.param_shardings(cfg, mesh, "sample"),
         )
     if precision != "float32":
         params = jax.eval_shape(precision_lib.prepare_fn(precision), params)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ess_jax import model, sharding, weights
+from ess_jax import gguf_llama, hf_layout, layouts, model, sharding, weights
 
 CFG = model.ModelConfig(
     vocab_size=128,
@@ -168,7 +168,7 @@ def test_sharded_files_and_sharded_load(tmp_path, params):
     cfg, loaded = weights.load_hf(tmp_path, mesh=mesh, dtype="bfloat16")
     assert cfg == CFG.replace(dtype="bfloat16")
     _assert_tree_equal(loaded, params)
-    want = sharding.param_shardings(cfg, mesh, "train")
+    want = layouts.param_shardings(cfg, mesh, "train")
     jax.tree.map(lambda x, s: assert_sharding(x, s), loaded, want)
     assert loaded["layers"][0]["attn"]["q"].sharding.spec == jax.P("fsdp", "tensor", None)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(loaded))
@@ -233,10 +233,11 @@ def _write_gguf(path, cfg, params, arch="llama"):
         "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     )
     flat = {
-        tuple(weights._key(e) for e in p): x for p, x in jax.tree_util.tree_leaves_with_path(params)
+        tuple(hf_layout.path_key(e) for e in p): x
+        for p, x in jax.tree_util.tree_leaves_with_path(params)
     }
     for p, x in flat.items():
-        hf = weights._to_hf(p, np.asarray(x))
+        hf = hf_layout.to_hf(p, np.asarray(x))
         if p[-1] == "q":
             hf = _permute(hf, cfg.num_heads)
         elif p[-1] == "k":
@@ -245,7 +246,7 @@ def _write_gguf(path, cfg, params, arch="llama"):
             q8 = gguf.quants.quantize(hf, gguf.GGMLQuantizationType.Q8_0)
             w.add_tensor("token_embd.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
-            w.add_tensor(weights._gguf_name(p), hf)
+            w.add_tensor(gguf_llama._gguf_name(p), hf)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
