@@ -210,6 +210,14 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
+def paired(num, den) -> float:
+    """Median over rounds of num[i] / den[i]: both sides of a ratio from the same round of a
+    round-robin (seconds apart), so a change of machine speed between rounds cancels. On a
+    shared 2-core machine the speed drifts by tens of percent over minutes; a ratio of the two
+    medians mixes rounds and carries that drift."""
+    return median([a / b for a, b in zip(num, den, strict=True)])
+
+
 def time_round_robin(
     fns: dict[str, Callable[[], Any]],
     warmup: int,

@@ -102,12 +102,13 @@ def hf_runner(hf, prompts, mask, n: int, mode: str):
 
 
 def bench_decode(hf, cfg, params, s: Sizes) -> dict:
-    """{mode: {batch: {"ess_jax@n" | "hf": {part: median s}}}} for n in (L, 2L), plus the
-    names of XLA compilations while timing (none expected)."""
-    out, all_compiles = {}, []
+    """{mode: {batch: {"ess_jax@n" | "hf": {part: median s}}}} for n in (L, 2L), the same
+    per round ("rounds": lists instead of medians), and the names of XLA compilations while
+    timing (none expected)."""
+    out, rounds, all_compiles = {}, {}, []
     L = s.gen
     for mode in s.decode_modes:
-        out[mode] = {}
+        out[mode], rounds[mode] = {}, {}
         for b in s.decode_batches:
             prompts, mask = left_padded_prompts(b, s.prompt, s.vocab, seed=b)
             hf_run, hf_warm = hf_runner(hf, prompts, mask, 2 * L, mode)
@@ -117,8 +118,9 @@ def bench_decode(hf, cfg, params, s: Sizes) -> dict:
             fns["hf"] = hf_run
             times, compiles = time_round_robin(fns, s.warmup, s.repeats, warm={"hf": hf_warm})
             all_compiles += compiles
+            rounds[mode][str(b)] = times
             out[mode][str(b)] = {
                 name: {part: median([r[part] for r in rs]) for part in rs[0]}
                 for name, rs in times.items()
             }
-    return {"results": out, "compiles_while_timed": all_compiles}
+    return {"results": out, "rounds": rounds, "compiles_while_timed": all_compiles}

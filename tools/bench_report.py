@@ -9,7 +9,7 @@ import os
 import platform
 import subprocess
 
-from bench_common import Sizes
+from bench_common import Sizes, paired
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,9 +31,38 @@ def _decode_at(res: dict, s: Sizes, mode: str, b: int) -> dict:
     return out
 
 
+def _decode_paired(res: dict, s: Sizes, mode: str, b: int) -> dict:
+    """Paired ratios (`paired`) at one mode and batch: "decode@n" and "prefill" are
+    generate's time over the sampler's (> 1: ess_jax ahead); "growth" and "hf_growth" each
+    side's time per decode step at 2L over L."""
+    r = res["decode"]["rounds"][mode][str(b)]
+    L, two_l = s.gen, 2 * s.gen
+    jax_l, jax_2l = r[f"ess_jax@{L}"], r[f"ess_jax@{two_l}"]
+    per_step = {n: [x["decode"] / (n - 1) for x in r[f"ess_jax@{n}"]] for n in (L, two_l)}
+    out = {
+        f"decode@{n}": paired([h[f"decode@{n}"] for h in r["hf"]], [x["decode"] for x in jx])
+        for n, jx in ((L, jax_l), (two_l, jax_2l))
+    }  # both sides' times are over the same n - 1 decode steps
+    out["prefill"] = paired([h["prefill"] for h in r["hf"]], [x["prefill"] for x in jax_l])
+    out["growth"] = paired(per_step[two_l], per_step[L])
+    out["hf_growth"] = paired(
+        [h[f"decode@{two_l}"] / (two_l - 1) for h in r["hf"]],
+        [h[f"decode@{L}"] / (L - 1) for h in r["hf"]],
+    )
+    return out
+
+
+def _train_paired(tr: dict, peers) -> float:
+    """ess_jax's speed over the fastest of `peers` in each round, median over rounds."""
+    rounds = tr["rounds"]
+    best = [min(ts) for ts in zip(*(rounds[p] for p in peers), strict=True)]
+    return paired(best, rounds["ess_jax"])
+
+
 def headline(res: dict, s: Sizes) -> dict:
-    """The --json ratios. train_vs_torch: ess_jax train tokens/s over the best PyTorch peer's
-    (torch.compile where it compiled); train_mfu: ess_jax's model FLOPs/s over the ceiling;
+    """The --json ratios, each paired by round (`paired`). train_vs_torch: ess_jax train
+    tokens/s over the best PyTorch peer's (torch.compile where it compiled; in each round the
+    faster peer); train_mfu: ess_jax's model FLOPs/s (median) over the ceiling;
     decode_vs_hf_b32: sampler decode tokens/s over `generate`'s at the largest decode batch
     (32 unless --tiny), sampled if measured, budget 2L; decode_len_scaling: the sampler's
     time per decode step at 2L over L there; ess_overhead: P3O full RL step time over
@@ -41,18 +70,18 @@ def headline(res: dict, s: Sizes) -> dict:
     tr = res["train"]["seconds"]
     peers = {k: v for k, v in tr.items() if k != "ess_jax"}
     mode = "sampled" if "sampled" in s.decode_modes else s.decode_modes[0]
-    d = _decode_at(res, s, mode, max(s.decode_batches))
+    d = _decode_paired(res, s, mode, max(s.decode_batches))
     two_l = 2 * s.gen
     ms = sorted(s.microbatches)
     out = {
-        "train_vs_torch": min(peers.values()) / tr["ess_jax"],
+        "train_vs_torch": _train_paired(res["train"], peers),
         "train_mfu": res["train"]["flops_per_step"] / tr["ess_jax"] / (ceiling_gflops(res) * 1e9),
-        "decode_vs_hf_b32": d[f"hf@{two_l}"] / d[f"jax@{two_l}"],
-        "decode_len_scaling": d[f"jax@{two_l}"] / d[f"jax@{s.gen}"],
+        "decode_vs_hf_b32": d[f"decode@{two_l}"],
+        "decode_len_scaling": d["growth"],
         "ess_overhead": res["rl"]["ess_overhead"][str(ms[0])]["step"],
     }
     out.update({f"ess_overhead_m{m}": res["rl"]["ess_overhead"][str(m)]["step"] for m in ms[1:]})
-    out["train_vs_torch_eager"] = tr["torch_eager"] / tr["ess_jax"]
+    out["train_vs_torch_eager"] = _train_paired(res["train"], ["torch_eager"])
     return out
 
 
@@ -61,7 +90,8 @@ def _row(*cells) -> str:
 
 
 def tables(res: dict, s: Sizes) -> str:
-    """The results as markdown tables: ratios are ess_jax over the peer (> 1: ess_jax ahead)."""
+    """The results as markdown tables: ratios are ess_jax over the peer (> 1: ess_jax ahead),
+    paired by round (`paired`); the other figures are medians."""
     lines = [_row("what", "ess_jax", "peer", "ratio"), _row(*["---"] * 4)]
     for n, jax_gf in res["gemm"]["jax"].items():
         torch_gf = res["gemm"]["torch"][n]
@@ -83,15 +113,14 @@ def tables(res: dict, s: Sizes) -> str:
         if peer in tr["seconds"]:
             t = tr["seconds"][peer]
             mfu = flops / t / ceiling
-            lines.append(
-                _row(what, ours, f"{label} {tokens / t:,.0f} tok/s, MFU {mfu:.0%}", f"{t / jt:.2f}")
-            )
+            peer_s = f"{label} {tokens / t:,.0f} tok/s, MFU {mfu:.0%}"
+            lines.append(_row(what, ours, peer_s, f"{_train_paired(tr, [peer]):.2f}"))
         elif peer in tr["errors"]:
             lines.append(_row(what, ours, f"{label}: failed ({tr['errors'][peer][:80]})", ""))
         what = ours = ""
     for mode in s.decode_modes:
         for b in s.decode_batches:
-            d = _decode_at(res, s, mode, b)
+            d, pr = _decode_at(res, s, mode, b), _decode_paired(res, s, mode, b)
             ptok = b * s.prompt
             lines.append(
                 _row(
@@ -99,7 +128,7 @@ def tables(res: dict, s: Sizes) -> str:
                     f"{ptok / d[f'jax_prefill@{s.gen}']:,.0f} tok/s "
                     f"(budget 2L: {ptok / d[f'jax_prefill@{2 * s.gen}']:,.0f})",
                     f"generate {ptok / d['hf_prefill']:,.0f} tok/s",
-                    f"{d['hf_prefill'] / d[f'jax_prefill@{s.gen}']:.2f}",
+                    f"{pr['prefill']:.2f}",
                 )
             )
             for n in (s.gen, 2 * s.gen):
@@ -109,15 +138,15 @@ def tables(res: dict, s: Sizes) -> str:
                         f"decode, {mode}, batch {b}, {n} new tokens",
                         f"{b / j:,.0f} tok/s, {1e3 * j:.1f} ms/step",
                         f"generate {b / h:,.0f} tok/s, {1e3 * h:.1f} ms/step",
-                        f"{h / j:.2f}",
+                        f"{pr[f'decode@{n}']:.2f}",
                     )
                 )
             two_l = 2 * s.gen
             lines.append(
                 _row(
                     f"decode ms/step at {two_l} over {s.gen} new tokens, {mode}, batch {b}",
-                    f"{d[f'jax@{two_l}'] / d[f'jax@{s.gen}']:.2f}",
-                    f"generate {d[f'hf@{two_l}'] / d[f'hf@{s.gen}']:.2f}",
+                    f"{pr['growth']:.2f}",
+                    f"generate {pr['hf_growth']:.2f}",
                     "",
                 )
             )
@@ -203,7 +232,9 @@ def markdown(res: dict, s: Sizes, env: dict, head: dict) -> str:
 Written by `tools/bench.py`; rerun the command below on a quiet machine to replace this file.
 Both sides run the same Llama weights (initialised by Hugging Face, loaded by ess_jax's
 loader) on the same batches, in float32; every figure is a median over {s.repeats} repeats
-after {s.warmup} warm-up call(s). Ratios are ess_jax over the peer (above 1: ess_jax ahead).
+after {s.warmup} warm-up call(s), the competitors taking turns in each round. Ratios are ess_jax
+over the peer (above 1: ess_jax ahead), each the median of its per-round ratios, so that a
+change of machine speed between rounds cancels.
 
 - command: `{env["command"]}`
 - commit: {env["commit"]}; date: {env["date"]}

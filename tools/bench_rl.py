@@ -24,7 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_common import CompileCounter, Sizes, left_padded_prompts, median, train_flops
+from bench_common import CompileCounter, Sizes, left_padded_prompts, median, paired, train_flops
 from bench_train import OPTIM
 
 from ess_jax import defaults, steps
@@ -131,12 +131,12 @@ def bench_rl(cfg, params, mesh, s: Sizes) -> dict:
         label: {k: median([rec[label][k] for rec in records]) for k in records[0][label]}
         for label in runs
     }
-    overhead = {}
+    overhead = {}  # paired: P3O and GRPO of one round share its rollout and machine state
     for m in s.microbatches:
-        p3o, grpo = parts[f"p3o M={m}"], parts[f"grpo M={m}"]
+        p3o, grpo = f"p3o M={m}", f"grpo M={m}"
         overhead[str(m)] = {
-            "step": p3o["step"] / grpo["step"] - 1.0,
-            "update": p3o["update"] / grpo["update"] - 1.0,
+            k: paired([r[p3o][k] for r in records], [r[grpo][k] for r in records]) - 1.0
+            for k in ("step", "update")
         }
     rows = s.rl_prompts * s.rl_group
     return {
@@ -144,5 +144,6 @@ def bench_rl(cfg, params, mesh, s: Sizes) -> dict:
         "update_flops": train_flops(s, rows, s.rl_prompt + s.rl_gen),
         "parts": parts,
         "ess_overhead": overhead,
+        "rounds": records,  # {variant: {part: s}} per round, for the paired overheads
         "compiles_while_timed": compiles.names,
     }

@@ -159,6 +159,7 @@ def bench_train(hf, cfg, params, mesh, s: Sizes, compile_torch: bool) -> dict:
         "tokens_per_step": s.train_batch * s.train_seq,
         "flops_per_step": train_flops(s, s.train_batch, s.train_seq),
         "seconds": {name: median(t) for name, t in times.items()},
+        "rounds": times,  # seconds per round-robin round, for the paired ratios
         "first_loss": {name: v[0] for name, v in losses.items() if v},
         "errors": errors,
         "compiles_while_timed": compiles,
