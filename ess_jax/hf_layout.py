@@ -40,9 +40,14 @@ def path_key(entry) -> str | int:
     return entry.key if hasattr(entry, "key") else entry.idx
 
 
-def flat_abstract(cfg: ModelConfig) -> dict[tuple, jax.ShapeDtypeStruct]:
-    leaves = jax.tree_util.tree_leaves_with_path(model.abstract_params(cfg))
+def flat(tree) -> dict[tuple, Any]:
+    """{path: leaf} of a params-shaped tree, a path being its dict keys and list indices."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
     return {tuple(path_key(e) for e in path): x for path, x in leaves}
+
+
+def flat_abstract(cfg: ModelConfig) -> dict[tuple, jax.ShapeDtypeStruct]:
+    return flat(model.abstract_params(cfg))
 
 
 def hf_name(path: tuple) -> str:
@@ -82,13 +87,10 @@ def placer(cfg: ModelConfig, mesh: Mesh | None, layout: str):
     """Function (path, host array) -> device array, on its sharding when a mesh is given."""
     if mesh is None:
         return lambda path, x: jnp.asarray(x)
-    shardings = layouts.param_shardings(cfg, mesh, layout)
-    flat = {
-        tuple(path_key(e) for e in p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)
-    }
+    shardings = flat(layouts.param_shardings(cfg, mesh, layout))
     # Each device gets only its shard; with several processes, each host places only its own
     # devices' slices (every host reads the same file).
-    return lambda path, x: sharding.put_host_array(x, flat[path])
+    return lambda path, x: sharding.put_host_array(x, shardings[path])
 
 
 def with_dtype(cfg: ModelConfig, dtype) -> ModelConfig:

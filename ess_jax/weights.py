@@ -261,10 +261,7 @@ def save_hf(
 
     path = Path(path)
     abstract = hf_layout.flat_abstract(cfg)
-    leaves = {
-        tuple(hf_layout.path_key(e) for e in p): x
-        for p, x in jax.tree_util.tree_leaves_with_path(params)
-    }
+    leaves = hf_layout.flat(params)
     if set(leaves) != set(abstract):
         diff = sorted(map(str, set(leaves) ^ set(abstract)))
         raise ValueError(f"params do not match the config; differing entries: {diff[:5]}")

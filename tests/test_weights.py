@@ -232,11 +232,7 @@ def _write_gguf(path, cfg, params, arch="llama"):
     w.add_chat_template(
         "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
     )
-    flat = {
-        tuple(hf_layout.path_key(e) for e in p): x
-        for p, x in jax.tree_util.tree_leaves_with_path(params)
-    }
-    for p, x in flat.items():
+    for p, x in hf_layout.flat(params).items():
         hf = hf_layout.to_hf(p, np.asarray(x))
         if p[-1] == "q":
             hf = _permute(hf, cfg.num_heads)
