@@ -198,6 +198,9 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Delete each step that has `keep` verified steps newer than it."""
+        # Every process reads back, although only process 0's verdict is used: orbax's restore
+        # of the metadata JSON (read_metadata) is itself a barrier across processes (gating this
+        # on process 0 hung the pod test).
         self._verified.update(s for s in self._pending if self._readable(s))
         self._pending.clear()
         if self._keep is None:
