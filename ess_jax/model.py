@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from ess_jax.layers import apply_rope, attention, rms_norm, rope_inv_freq
+from ess_jax.layers import apply_rope, attention, dense, rms_norm, rope_inv_freq
 from ess_jax.sharding import BATCH
 
 Params = dict[str, Any]
@@ -112,9 +112,9 @@ class Attention(nnx.Module):
 
     def __call__(self, cfg, x_BxTxD, positions_BxT, kv_mask_BxS, cache, cache_index, attend_len):
         dt = cfg.compute_dtype
-        q = jnp.einsum("btd,dhk->bthk", x_BxTxD, self.q[...].astype(dt))
-        k = jnp.einsum("btd,dnk->btnk", x_BxTxD, self.k[...].astype(dt))
-        v = jnp.einsum("btd,dnk->btnk", x_BxTxD, self.v[...].astype(dt))
+        q = dense(x_BxTxD, self.q[...].astype(dt))
+        k = dense(x_BxTxD, self.k[...].astype(dt))
+        v = dense(x_BxTxD, self.v[...].astype(dt))
         if cfg.qkv_bias:
             q, k, v = (
                 q + self.q_bias[...].astype(dt),
@@ -152,7 +152,7 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
         out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk)
         out = out.reshape(b, t, h, kd)
-        return jnp.einsum("bthk,hkd->btd", out, self.o[...].astype(dt)), new_cache
+        return dense(out, self.o[...].astype(dt), n_in=2), new_cache
 
 
 class MLP(nnx.Module):
@@ -164,9 +164,9 @@ class MLP(nnx.Module):
 
     def __call__(self, cfg, x_BxTxD):
         dt = cfg.compute_dtype
-        g = jnp.einsum("btd,df->btf", x_BxTxD, self.gate[...].astype(dt))
-        u = jnp.einsum("btd,df->btf", x_BxTxD, self.up[...].astype(dt))
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, self.down[...].astype(dt))
+        g = dense(x_BxTxD, self.gate[...].astype(dt))
+        u = dense(x_BxTxD, self.up[...].astype(dt))
+        return dense(jax.nn.silu(g) * u, self.down[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -251,12 +251,7 @@ class Decoder(nnx.Module):
 
     def logits(self, cfg, x_BxTxD):
         head_DxV = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        return jnp.einsum(
-            "btd,dv->btv",
-            x_BxTxD,
-            head_DxV.astype(cfg.compute_dtype),
-            preferred_element_type=jnp.float32,
-        )
+        return dense(x_BxTxD, head_DxV.astype(cfg.compute_dtype), out_dtype=jnp.float32)
 
     def __call__(self, cfg, *args, **kwargs):
         """float32 logits and the updated cache; the arguments are `hidden`'s."""
