@@ -231,3 +231,40 @@ def test_bfloat16_compute_is_close_not_identical(tiny):
     assert 0 < diff < 0.05 * scale
     # same greedy choice almost everywhere
     assert float(jnp.mean(jnp.argmax(bf16, -1) == jnp.argmax(f32, -1))) > 0.9
+
+
+def test_dense_is_the_einsum_in_float64_and_checks_shapes():
+    """layers.dense merges the leading axes (and, with n_in=2, the contracted ones) into one
+    2-D matmul. Catches a wrong merge order (e.g. heads and head_dim swapped when flattening
+    the o-projection [H, K, D]), a dropped leading axis, and mismatched weights passing
+    silently: compared with a float64 numpy einsum on every shape the model uses."""
+    from ess_jax.layers import dense
+
+    rng = np.random.default_rng(0)
+    x3 = rng.normal(size=(2, 5, 6))
+    w_dhk = rng.normal(size=(6, 3, 4))
+    x4 = rng.normal(size=(2, 5, 3, 4))
+    w_hkd = rng.normal(size=(3, 4, 6))
+    cases = [
+        (
+            dense(jnp.asarray(x3, jnp.float32), jnp.asarray(w_dhk, jnp.float32)),
+            np.einsum("btd,dhk->bthk", x3, w_dhk),
+        ),
+        (
+            dense(jnp.asarray(x4, jnp.float32), jnp.asarray(w_hkd, jnp.float32), n_in=2),
+            np.einsum("bthk,hkd->btd", x4, w_hkd),
+        ),
+        (
+            dense(
+                jnp.asarray(x3, jnp.float32),
+                jnp.asarray(w_dhk[:, 0], jnp.float32),
+                out_dtype=jnp.float32,
+            ),
+            np.einsum("btd,dk->btk", x3, w_dhk[:, 0]),
+        ),
+    ]
+    for got, want in cases:
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not match"):
+        dense(jnp.zeros((2, 5, 7)), jnp.zeros((6, 3)))
