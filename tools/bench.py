@@ -121,7 +121,7 @@ def estimate(s: Sizes, gflops: float = 150.0, compile_torch: bool = True) -> dic
     est = {"gemm": sum(4 * n**3 for n in s.gemm) * (max(s.warmup, 1) + 3 * s.repeats) / c}
     peers = 3 if compile_torch else 2
     est["train"] = (
-        peers * calls * train(s.train_batch, s.train_seq)
+        peers * (s.warmup + 2 * s.repeats) * train(s.train_batch, s.train_seq)  # primed
         + COMPILE_S["jax_step"]
         + compile_torch * COMPILE_S["torch_compile"]
     )

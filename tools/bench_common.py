@@ -223,12 +223,17 @@ def time_round_robin(
     warmup: int,
     repeats: int,
     warm: dict[str, Callable[[], Any]] | None = None,
+    prime: bool = False,
 ) -> tuple[dict[str, list], list[str]]:
     """Call every fn `warmup` times untimed (or its `warm` stand-in: a cheaper call that pays
     the same one-time costs), then `repeats` times, in turn, so that a load change on the
     machine hits every competitor alike. Each fn must block until its work is done; what it
     returns is recorded if it is its own measured seconds (a float or a dict of them), else
     its wall time is.
+    With `prime`, each timed call follows an untimed call of the same fn, so that it never
+    runs right after the other framework: on this machine a JAX train step right after a
+    torch step took 3.4-3.8 s, right after a JAX step 2.55-2.6 s (tools/bench_notes.md),
+    and in a training loop a step follows a step of its own kind.
     Returns ({name: [result per repeat]}, names of the XLA compilations while timing)."""
     warm = warm or {}
     for _ in range(warmup):
@@ -239,6 +244,8 @@ def time_round_robin(
         for r in range(repeats):
             names = list(fns) if r % 2 == 0 else list(fns)[::-1]  # no fixed first or last
             for name in names:
+                if prime:
+                    fns[name]()
                 t0 = time.perf_counter()
                 got = fns[name]()
                 own = isinstance(got, (float, dict))

@@ -154,7 +154,7 @@ def bench_train(hf, cfg, params, mesh, s: Sizes, compile_torch: bool) -> dict:
             fns["torch_compile"] = step
         except Exception as e:  # "where it compiles": report the peer as missing, go on
             errors["torch_compile"] = f"{type(e).__name__}: {str(e)[:300]}"
-    times, compiles = time_round_robin(fns, s.warmup, s.repeats)
+    times, compiles = time_round_robin(fns, s.warmup, s.repeats, prime=True)
     return {
         "tokens_per_step": s.train_batch * s.train_seq,
         "flops_per_step": train_flops(s, s.train_batch, s.train_seq),
