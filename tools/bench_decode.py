@@ -54,13 +54,16 @@ def jax_runner(cfg, params, prompts, mask, n: int, mode: str):
 
 def hf_runner(hf, prompts, mask, n: int, mode: str):
     """(run, warm): `run` generates `n` tokens and returns {"prefill": s, "decode@k": s} for
-    k = n // 2 and n (decode@k: the k - 1 forwards after the prompt's); `warm` generates 2."""
+    k = n // 2 and n (decode@k: the k - 1 forwards after the prompt's); `warm` generates 2.
+    On `hf`'s device; on CUDA each stamp waits for the forward's kernels to finish."""
     import numpy as np
     import torch
     import transformers
 
-    ids = torch.tensor(np.asarray(prompts) * np.asarray(mask), dtype=torch.long)
-    am = torch.tensor(np.asarray(mask), dtype=torch.long)
+    device = next(hf.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ids = torch.tensor(np.asarray(prompts) * np.asarray(mask), dtype=torch.long, device=device)
+    am = torch.tensor(np.asarray(mask), dtype=torch.long, device=device)
     how = {"do_sample": False}
     if mode == "sampled":  # temperature 1 over the whole vocabulary, as the ess_jax sampler
         how = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -70,11 +73,13 @@ def hf_runner(hf, prompts, mask, n: int, mode: str):
             self.times = []
 
         def __call__(self, input_ids, scores):
+            sync()
             self.times.append(time.perf_counter())
             return scores
 
     def generate(k):
         stamp = Stamp()
+        sync()
         t0 = time.perf_counter()
         with torch.no_grad():
             out = hf.generate(

@@ -70,13 +70,13 @@ def make_train_batch(cfg, params, s: Sizes) -> dict[str, np.ndarray]:
     }
 
 
-def jax_trainer(cfg, params, mesh, batch_np):
+def jax_trainer(cfg, params, mesh, batch_np, objective: str = "p3o"):
     """(step, losses): one ess_jax RL update per call (steps.make_rl_step, the trainer's own
     jitted step with its state donated), on a copy of `params`."""
     tx = make_optimizer(OPTIM)
     state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
     step_fn = steps.make_rl_step(
-        cfg, tx, ObjectiveConfig(), 1, 0, state_sh, sharding_lib.batch_sharding(mesh)
+        cfg, tx, ObjectiveConfig(name=objective), 1, 0, state_sh, sharding_lib.batch_sharding(mesh)
     )
     batch = sharding_lib.shard_batch(batch_np, mesh)
     held, losses = [state], []
@@ -108,23 +108,29 @@ def torch_p3o_loss(logits_BxTxV, tokens_BxT, blogp_BxT, adv_BxT, mask_BxT):
     return ((pg + (1.0 - ess) * k3) * mask_BxT).sum() / n.clamp(min=1)
 
 
-def torch_trainer(hf, batch_np, compiled: bool):
+def torch_trainer(hf, batch_np, compiled: bool, device: str = "cpu", autocast=None):
     """(step, losses): one PyTorch training step per call on a copy of `hf`: forward, the same
-    P3O loss, backward, AdamW (fused, torch's fastest CPU AdamW) with the same settings."""
+    P3O loss, backward, AdamW (fused, torch's fastest CPU AdamW) with the same settings.
+    On `device`; with `autocast` (a torch dtype) the forward runs under torch.autocast, float32
+    master weights (tools/bench_gpu.py: bfloat16 on CUDA, as ess_jax's compute dtype)."""
+    import contextlib
+
     import torch
 
-    net = copy.deepcopy(hf).train()
+    net = copy.deepcopy(hf).to(device).train()
     opt = torch.optim.AdamW(
         net.parameters(),
         lr=OPTIM["lr"],
         weight_decay=OPTIM["weight_decay"],
         fused=True,
     )
-    t = {k: torch.tensor(np.asarray(v)) for k, v in batch_np.items()}
+    t = {k: torch.tensor(np.asarray(v), device=device) for k, v in batch_np.items()}
     tokens = t["tokens"].long()
 
     def loss_fn(tokens, blogp, adv, mask):
-        logits = net(input_ids=tokens, use_cache=False).logits
+        ctx = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
+        with ctx:
+            logits = net(input_ids=tokens, use_cache=False).logits
         return torch_p3o_loss(logits, tokens, blogp, adv, mask)
 
     fn = torch.compile(loss_fn) if compiled else loss_fn

@@ -1,0 +1,471 @@
+"""The bench on a GPU: a random-init model with Qwen2.5-1.5B's dimensions in bfloat16, its
+MFU and decode speed against the chip's measured bf16 matmul and memory-bandwidth ceilings,
+and the PyTorch peers (Hugging Face Qwen2ForCausalLM) on the same shapes.
+
+    python tools/bench_gpu.py --json gpu.json --md BENCHMARKS_GPU.md   # on a CUDA machine
+    python tools/bench_gpu.py --tiny --json /tmp/g.json                # smoke run, any machine
+
+Each side runs in its own process, one after the other (`--part jax`, `--part torch`), so
+neither framework's allocator holds memory the other needs; this one merges their JSON and
+writes the report. Per side:
+  1. ceilings: median TFLOP/s of an n x n bfloat16 matmul (20 back-to-back per timing) and
+     the device's copy bandwidth (y = 2x on a 2 GiB bfloat16 array, bytes read + written);
+  2. the train step (forward + backward + AdamW, P3O; GRPO too for the ESS overhead):
+     float32 master weights, bfloat16 compute (ess_jax: ModelConfig.dtype; torch: autocast),
+     tokens/s and MFU = train_flops / s / the measured bf16 ceiling (bench_common's FLOP model);
+  3. sampling at batch 32 (temperature 1, whole vocabulary, no stop token, L new tokens from
+     left-padded prompts): ess_jax's sampler in its "bfloat16" precision against `generate`
+     on a bfloat16 copy of the model; decode ms/step against the bandwidth floor = (bf16
+     matmul weights + the KV cache a step reads) / the measured copy bandwidth.
+The two sides hold different random weights (the CPU bench, tools/bench.py, checks identical
+ones): neither side's work depends on the values here, with no stop token and no clipping.
+Compile-heavy on a GPU (28 unrolled layers: ~1 min per train step, 5 sampler programs), so
+`--budget` (seconds per part) skips the optional sections (GRPO, torch.compile) when short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import Sizes, forward_flops, matmul_params, median, train_flops  # noqa: E402
+
+QWEN25_1_5B = Sizes(
+    dim=1536,
+    mlp=8960,
+    layers=28,
+    heads=12,
+    kv_heads=2,
+    vocab=151936,
+    gemm=(8192,),
+    train_batch=8,
+    train_seq=1024,
+    decode_batches=(32,),
+    decode_modes=("sampled",),
+    prompt=128,
+    gen=256,
+    warmup=2,
+    repeats=5,
+)
+TINY = dataclasses.replace(
+    QWEN25_1_5B,
+    dim=64,
+    mlp=128,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    vocab=512,
+    gemm=(256,),
+    train_batch=2,
+    train_seq=32,
+    decode_batches=(4,),
+    prompt=8,
+    gen=8,
+    warmup=1,
+    repeats=2,
+)
+H200_DATASHEET = {"bf16_tflops": 989.0, "hbm_gbps": 4800.0}  # dense, SXM (a lead, not measured)
+COPY_BYTES = 2**31
+
+
+def say(msg: str) -> None:
+    print(f"[bench_gpu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def model_config(s: Sizes):
+    from ess_jax import model
+
+    return model.ModelConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.dim,
+        intermediate_size=s.mlp,
+        num_layers=s.layers,
+        num_heads=s.heads,
+        num_kv_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_embeddings=True,
+        qkv_bias=True,
+        family="qwen2",
+        max_position_embeddings=32768,
+        dtype="bfloat16",
+    )
+
+
+def train_batch(s: Sizes) -> dict:
+    """B x T random tokens, a ragged loss mask, behaviour log-probs -log V + N(0, 0.3) (the
+    ESS < 1, every P3O term live) and 0/1 rewards z-scored in groups of 4 as advantages."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    b, t = s.train_batch, s.train_seq
+    pos = np.arange(t)[None]
+    mask = (pos >= 1) & (pos < rng.integers(t // 2, t + 1, b)[:, None])
+    blogp = -math.log(s.vocab) + rng.normal(0.0, 0.3, (b, t))
+    r = rng.integers(0, 2, b).astype(np.float64).reshape(-1, math.gcd(b, 4))
+    adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6)).reshape(b)
+    return {
+        "tokens": rng.integers(1, s.vocab, (b, t)).astype(np.int32),
+        "attn_mask": np.ones((b, t), bool),
+        "mask": mask.astype(np.float32),
+        "behaviour_logp": np.where(mask, blogp, 0.0).astype(np.float32),
+        "advantages": np.where(mask, adv[:, None], 0.0).astype(np.float32),
+    }
+
+
+def decode_floor_s(s: Sizes, batch: int, keys: int, gbps: float) -> float:
+    """Seconds a decode step needs at least: read every bf16 matmul weight once and the K and
+    V of `keys` positions per row and layer (bf16), at `gbps`."""
+    kv = batch * s.layers * 2 * s.kv_heads * s.head_dim * keys * 2
+    return (2 * matmul_params(s) + kv) / (gbps * 1e9)
+
+
+def timed(fn, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        got = fn()
+        out.append(got if isinstance(got, (float, dict)) else time.perf_counter() - t0)
+    return out
+
+
+# ----------------------------------------------------------------------------- ess_jax
+
+
+def part_jax(s: Sizes, budget: float, save) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from bench_common import CompileCounter, one_device_mesh
+    from bench_decode import jax_runner
+    from bench_train import jax_trainer
+
+    from ess_jax import layouts, model, precision
+
+    t_start, res = time.perf_counter(), {"device": str(jax.devices()[0].device_kind)}
+    left = lambda: budget - (time.perf_counter() - t_start)
+    res["jax"] = jax.__version__
+    say(f"jax {jax.__version__} on {res['device']}: ceilings")
+    mm = jax.jit(lambda a, b: jnp.matmul(a, b))
+    res["gemm_tflops"] = {}
+    for n in s.gemm:
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+
+        def twenty(a=a):
+            for _ in range(20):
+                y = mm(a, a)
+            y.block_until_ready()
+
+        res["gemm_tflops"][str(n)] = 20 * 2 * n**3 / median(timed(twenty, 2, 5)) / 1e12
+    nbytes = COPY_BYTES if s.layers > 2 else 2**24
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    double = jax.jit(lambda x: x * 2)
+    copy_s = median(timed(lambda x=x: double(x).block_until_ready(), 2, 9))
+    res["copy_gbps"] = 2 * nbytes / copy_s / 1e9
+    save(res)
+
+    cfg = model_config(s)
+    mesh = one_device_mesh()
+    params = model.init_params(cfg, 0, layouts.param_shardings(cfg, mesh, "train"))
+    res["params"] = model.num_params(params)
+    batch = train_batch(s)
+    res["train"] = {}
+
+    def train(obj):
+        say(f"train step {obj}: {s.train_batch} x {s.train_seq} tokens (compiling)")
+        t0 = time.perf_counter()
+        step, losses = jax_trainer(cfg, params, mesh, batch, objective=obj)
+        step()
+        compile_s = time.perf_counter() - t0
+        with CompileCounter() as c:
+            times = timed(step, s.warmup, s.repeats)
+        res["train"][obj] = {
+            "seconds": times,
+            "first_step_s": compile_s,
+            "loss": losses[0],
+            "finite": all(math.isfinite(v) for v in losses),
+            "compiles_while_timed": c.names,
+        }
+        say(f"  {obj}: {median(times) * 1e3:.1f} ms/step, loss {losses[0]:.4f}")
+        save(res)
+
+    train("p3o")  # then the sampler, then (time allowing) GRPO for the ESS overhead
+    sample_params = precision.prepare_fn("bfloat16")(params)
+    sample_cfg = cfg.replace(dtype="bfloat16")
+    from bench_common import left_padded_prompts
+
+    res["decode"] = {}
+    for b in s.decode_batches:
+        say(f"sampler batch {b}: {s.prompt}-token prompts, {s.gen} new tokens (compiling)")
+        prompts, mask = left_padded_prompts(b, s.prompt, s.vocab, seed=b)
+        run = jax_runner(sample_cfg, sample_params, prompts, mask, s.gen, "sampled")
+        t0 = time.perf_counter()
+        run()
+        compile_s = time.perf_counter() - t0
+        with CompileCounter() as c:
+            rounds = timed(run, s.warmup, s.repeats)
+        res["decode"][str(b)] = {
+            "rounds": rounds,
+            "first_call_s": compile_s,
+            "compiles_while_timed": c.names,
+        }
+        say(f"  decode {median([r['decode'] for r in rounds]) / (s.gen - 1) * 1e3:.2f} ms/step")
+        save(res)
+    del sample_params
+    if left() > 0.4 * budget:
+        train("grpo")
+    else:
+        say(f"skipping the GRPO train step: {left():.0f} s left")
+    return res
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def hf_qwen2(s: Sizes, device: str):
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=s.vocab,
+        hidden_size=s.dim,
+        intermediate_size=s.mlp,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.Qwen2ForCausalLM(cfg).eval()
+
+
+def part_torch(s: Sizes, budget: float, compile_torch: bool, save) -> dict:
+    import torch
+    from bench_common import left_padded_prompts
+    from bench_decode import hf_runner
+    from bench_train import torch_trainer
+
+    t_start = time.perf_counter()
+    left = lambda: budget - (time.perf_counter() - t_start)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    say(f"torch {torch.__version__} on {res['device']}: ceilings")
+    res["gemm_tflops"] = {}
+    for n in s.gemm:
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+
+        def twenty(a=a):
+            for _ in range(20):
+                torch.mm(a, a)
+            sync()
+
+        res["gemm_tflops"][str(n)] = 20 * 2 * n**3 / median(timed(twenty, 2, 5)) / 1e12
+    hf = hf_qwen2(s, device)
+    batch = train_batch(s)
+    res["train"] = {}
+
+    def train(name, comp):
+        say(f"train step {name}: {s.train_batch} x {s.train_seq} tokens")
+        t0 = time.perf_counter()
+        try:
+            step, losses = torch_trainer(hf, batch, comp, device=device, autocast=torch.bfloat16)
+            step()
+        except Exception as e:  # "where it compiles": report the peer as missing, go on
+            res["train"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            return
+        first_s = time.perf_counter() - t0
+        times = timed(lambda: (step(), sync()), s.warmup, s.repeats)
+        res["train"][name] = {"seconds": times, "first_step_s": first_s, "loss": losses[0]}
+        say(f"  {name}: {median(times) * 1e3:.1f} ms/step, loss {losses[0]:.4f}")
+        save(res)
+
+    train("torch_eager", False)  # then generate, then (time allowing) torch.compile
+    if cuda:
+        torch.cuda.empty_cache()
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)  # generate on bf16 weights, as the sampler's
+    res["decode"] = {}
+    for b in s.decode_batches:
+        say(f"generate batch {b}: {s.prompt}-token prompts, {s.gen} new tokens")
+        prompts, mask = left_padded_prompts(b, s.prompt, s.vocab, seed=b)
+        run, warm = hf_runner(hf16, prompts, mask, s.gen, "sampled")
+        warm()
+        res["decode"][str(b)] = {"rounds": timed(run, 0, max(2, s.repeats // 2))}
+        save(res)
+    del hf16
+    if compile_torch and left() > 0.4 * budget:
+        train("torch_compile", True)
+    else:
+        say(f"skipping torch.compile: {left():.0f} s left" if compile_torch else "no compile")
+    return res
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(s: Sizes, jx: dict, th: dict) -> dict:
+    """The headline figures from the two parts' JSON (missing sections give missing keys)."""
+    out: dict = {}
+    ceiling = max([*jx.get("gemm_tflops", {}).values(), *th.get("gemm_tflops", {}).values()])
+    gbps = jx.get("copy_gbps")
+    out["bf16_ceiling_tflops"], out["copy_gbps"] = ceiling, gbps
+    flops, tokens = train_flops(s, s.train_batch, s.train_seq), s.train_batch * s.train_seq
+    train = {k: median(v["seconds"]) for k, v in jx.get("train", {}).items()}
+    peer_train = th.get("train", {}).items()
+    train.update({k: median(v["seconds"]) for k, v in peer_train if "seconds" in v})
+    for name, sec in train.items():
+        out[f"train_{name}_tok_s"] = tokens / sec
+        out[f"train_{name}_mfu"] = flops / sec / (ceiling * 1e12)
+    peers = [train[k] for k in ("torch_eager", "torch_compile") if k in train]
+    if "p3o" in train and peers:
+        out["train_vs_torch"] = min(peers) / train["p3o"]
+    if "p3o" in train and "grpo" in train:
+        out["ess_overhead"] = train["p3o"] / train["grpo"] - 1
+    for b in s.decode_batches:
+        jd, hd = jx.get("decode", {}).get(str(b)), th.get("decode", {}).get(str(b))
+        if jd:
+            step = median([r["decode"] for r in jd["rounds"]]) / (s.gen - 1)
+            prefill = median([r["prefill"] for r in jd["rounds"]])
+            out[f"decode_b{b}_ms"] = step * 1e3
+            out[f"decode_b{b}_tok_s"] = b / step
+            out[f"prefill_b{b}_mfu"] = (
+                forward_flops(s, b, s.prompt, s.prompt) / prefill / (ceiling * 1e12)
+            )
+            if gbps:  # keys read: the segment bound, the sampler attends up to it
+                floor = decode_floor_s(s, b, s.prompt + s.gen, gbps)
+                out[f"decode_b{b}_floor_ms"] = floor * 1e3
+                out[f"decode_b{b}_of_bandwidth"] = floor / step
+        if hd:
+            hstep = median([r[f"decode@{s.gen}"] for r in hd["rounds"]]) / (s.gen - 1)
+            out[f"hf_decode_b{b}_ms"] = hstep * 1e3
+            if jd:
+                out[f"decode_vs_hf_b{b}"] = hstep / step
+    return out
+
+
+def report_md(s: Sizes, jx: dict, th: dict, head: dict, command: str) -> str:
+    f = lambda k, spec: format(head[k], spec) if k in head else "n/a"
+    name = "a tiny smoke model" if s == TINY else "Qwen2.5-1.5B's dimensions"
+    decodes = jx.get("decode", {}).items()
+    b = s.decode_batches[-1]
+    lines = [
+        "# GPU benchmark (tools/bench_gpu.py)",
+        "",
+        f"Command: `{command}`. Device: {jx.get('device', '?')}; jax {jx.get('jax', '?')}, "
+        f"torch {th.get('torch', '?')}. Model: {name} ({s.layers} layers, "
+        f"width {s.dim}, MLP {s.mlp}, {s.heads}/{s.kv_heads} heads, vocab {s.vocab}, tied "
+        f"embeddings), random init, {jx.get('params', 0):,} params, float32 masters, bfloat16 "
+        "compute. Medians over "
+        f"{s.repeats} timed calls after {s.warmup} warm-ups.",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| bf16 matmul ceiling, measured (TFLOP/s) | {f('bf16_ceiling_tflops', '.0f')} |",
+        f"| copy bandwidth, measured (GB/s) | {f('copy_gbps', '.0f')} |",
+        f"| train step ess_jax P3O, {s.train_batch} x {s.train_seq} (tok/s) "
+        f"| {f('train_p3o_tok_s', ',.0f')} |",
+        f"| train MFU ess_jax (of the measured ceiling) | {f('train_p3o_mfu', '.1%')} |",
+        f"| train step torch eager (tok/s, MFU) | {f('train_torch_eager_tok_s', ',.0f')}, "
+        f"{f('train_torch_eager_mfu', '.1%')} |",
+        f"| train step torch.compile (tok/s, MFU) | {f('train_torch_compile_tok_s', ',.0f')}, "
+        f"{f('train_torch_compile_mfu', '.1%')} |",
+        f"| ess_jax train over best torch peer | {f('train_vs_torch', '.2f')}x |",
+        f"| ESS overhead, P3O over GRPO step - 1 | {f('ess_overhead', '+.1%')} |",
+        f"| decode batch {b}, ess_jax (ms/step, tok/s) | {f(f'decode_b{b}_ms', '.2f')}, "
+        f"{f(f'decode_b{b}_tok_s', ',.0f')} |",
+        f"| decode bandwidth floor (ms/step) and fraction reached "
+        f"| {f(f'decode_b{b}_floor_ms', '.2f')}, {f(f'decode_b{b}_of_bandwidth', '.1%')} |",
+        f"| decode batch {b}, HF generate (ms/step) | {f(f'hf_decode_b{b}_ms', '.2f')} |",
+        f"| ess_jax decode over generate | {f(f'decode_vs_hf_b{b}', '.2f')}x |",
+        f"| prefill MFU, batch {b} x {s.prompt} | {f(f'prefill_b{b}_mfu', '.1%')} |",
+        "",
+        "First calls (compile included), seconds: "
+        + ", ".join(
+            f"{k} {v['first_step_s']:.0f}"
+            for part in (jx, th)
+            for k, v in part.get("train", {}).items()
+            if "first_step_s" in v
+        )
+        + "".join(f", sampler b{k} {v['first_call_s']:.0f}" for k, v in decodes)
+        + ".",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model: smoke run anywhere")
+    ap.add_argument("--part", choices=("jax", "torch"), help="run one side (internal)")
+    ap.add_argument("--json", metavar="FILE", help="write the figures and every measurement")
+    ap.add_argument("--md", metavar="FILE", help="write the markdown report")
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds per part, soft")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    args = ap.parse_args(argv)
+    s = TINY if args.tiny else QWEN25_1_5B
+    if args.part:  # each section's results are saved as they land: a crash keeps them
+
+        def save(res):
+            with open(args.json + ".tmp", "w") as fh:
+                json.dump(res, fh, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+
+        if args.part == "jax":
+            part_jax(s, args.budget, save)
+        else:
+            part_torch(s, args.budget, not args.no_compile, save)
+        return 0
+    import tempfile
+
+    parts = {}
+    with tempfile.TemporaryDirectory() as tmp:  # parts beside --json, so a killed run keeps them
+        d = os.path.dirname(os.path.abspath(args.json)) if args.json else tmp
+        for part in ("jax", "torch"):
+            path = os.path.join(d, f"bench_gpu_{part}.json")
+            cmd = [sys.executable, __file__, "--part", part, "--json", path]
+            cmd += ["--budget", str(args.budget)] + ["--tiny"] * args.tiny
+            cmd += ["--no-compile"] * args.no_compile
+            try:  # a hung or slow part keeps what it saved; the other part still runs
+                rc = subprocess.run(cmd, timeout=1.5 * args.budget).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            parts[part] = json.load(open(path)) if os.path.exists(path) else {}
+            if rc:
+                say(f"part {part} exited with {rc}")
+    head = summarize(s, parts["jax"], parts["torch"])
+    for k, v in head.items():
+        print(f"{k:32s} {v:.4g}" if isinstance(v, float) else f"{k:32s} {v}")
+    command = "python tools/bench_gpu.py" + " --tiny" * args.tiny
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"headline": head, "details": parts}, fh, indent=1)
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(report_md(s, parts["jax"], parts["torch"], head, command))
+    return 0 if parts["jax"] and parts["torch"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
