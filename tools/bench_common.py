@@ -92,6 +92,24 @@ class Sizes:
 # ----------------------------------------------------------------------------- the model
 
 
+def hf_shape(s: Sizes) -> dict:
+    """The Hugging Face config fields `s` sets, SDPA attention, pad id 0, no BOS / EOS (the
+    bench generates exactly the requested tokens), untied embeddings."""
+    return dict(
+        vocab_size=s.vocab,
+        hidden_size=s.dim,
+        intermediate_size=s.mlp,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
 def hf_llama(s: Sizes):
     """A random Hugging Face LlamaForCausalLM (torch seed 0), float32, eval mode: matrices
     N(0, 1 / fan_in), norm weights 1 + N(0, 0.2^2) (as tests/test_model.py)."""
@@ -99,20 +117,7 @@ def hf_llama(s: Sizes):
     import transformers
 
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=s.vocab,
-        hidden_size=s.dim,
-        intermediate_size=s.mlp,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
-        head_dim=s.head_dim,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
+        **hf_shape(s), head_dim=s.head_dim, max_position_embeddings=4096, rms_norm_eps=1e-5
     )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()

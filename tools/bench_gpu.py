@@ -39,7 +39,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import Sizes, forward_flops, matmul_params, median, train_flops  # noqa: E402
+from bench_common import (  # noqa: E402
+    Sizes,
+    forward_flops,
+    hf_shape,
+    matmul_params,
+    median,
+    train_flops,
+)
 
 QWEN25_1_5B = Sizes(
     dim=1536,
@@ -240,20 +247,10 @@ def hf_qwen2(s: Sizes, device: str):
     import transformers
 
     cfg = transformers.Qwen2Config(
-        vocab_size=s.vocab,
-        hidden_size=s.dim,
-        intermediate_size=s.mlp,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
+        **{**hf_shape(s), "tie_word_embeddings": True},
         max_position_embeddings=32768,
         rope_theta=1e6,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
     )
     torch.manual_seed(0)
     with torch.device(device):

@@ -1,0 +1,106 @@
+"""tools/bench_gpu.py (the bench at Qwen2.5-1.5B's dimensions, for a GPU): both sides describe
+the same architecture, its headline figures are the recorded measurements' (recomputed here),
+and its smoke run (--tiny, any machine; torch.compile left out) measures every section.
+No timing is asserted: on a shared CPU timings mean nothing.
+"""
+
+import json
+import math
+import os
+import sys
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import bench_common  # noqa: E402
+import bench_gpu  # noqa: E402
+
+
+@pytest.mark.parametrize("sizes", [bench_gpu.TINY, bench_gpu.QWEN25_1_5B], ids=["tiny", "1.5b"])
+def test_both_sides_build_the_same_architecture(sizes):
+    """Catches the ess_jax config and the Hugging Face peer drifting apart (a missing qkv bias,
+    untied embeddings, another head count): the HF model's config read by ess_jax's own
+    importer must give bench_gpu's config, and the HF parameter count ess_jax's. At 1.5B this
+    is checked on the configs and abstract shapes only (nothing allocated)."""
+    torch = pytest.importorskip("torch")
+    from ess_jax import model, weights
+
+    with torch.device("meta"):
+        hf = bench_gpu.hf_qwen2(sizes, "meta")
+    ours = bench_gpu.model_config(sizes)
+    theirs = weights.config_from_hf(hf.config.to_dict()).replace(dtype="bfloat16")
+    keep = ("pad_token_id", "bos_token_id", "eos_token_id")  # the bench sets no stop token
+    assert theirs.replace(**{k: getattr(ours, k) for k in keep}) == ours
+    n_abstract = sum(math.prod(x.shape) for x in jax.tree.leaves(model.abstract_params(ours)))
+    assert n_abstract == sum(p.numel() for p in hf.parameters())
+    # the FLOP model's matmul weights: everything but the norm vectors and the qkv biases
+    d, n, k = sizes.dim, sizes.kv_heads, sizes.head_dim
+    small = sizes.layers * (2 * d + (sizes.heads + 2 * n) * k) + d
+    assert bench_common.matmul_params(sizes) == n_abstract - small
+
+
+def test_train_batch_and_decode_floor_by_hand():
+    """Catches advantages not zero-mean per group of 4, a loss mask over position 0, behaviour
+    log-probs set on masked positions, and a wrong byte count in the bandwidth floor."""
+    s = bench_gpu.TINY
+    b = bench_gpu.train_batch(s)
+    assert b["tokens"].shape == (s.train_batch, s.train_seq)
+    assert not b["mask"][:, 0].any() and b["mask"].sum(1).min() >= s.train_seq // 2 - 1
+    assert (b["behaviour_logp"][b["mask"] == 0] == 0).all()
+    per_row = b["advantages"].max(1)
+    assert np.allclose(per_row.reshape(-1, math.gcd(s.train_batch, 4)).sum(1), 0, atol=1e-5)
+    # 2-layer tiny model: weights 2 bytes each; K and V: batch * layers * 2 * N * K * keys * 2
+    kv = 4 * 2 * 2 * 2 * 16 * 100 * 2
+    want = (2 * bench_common.matmul_params(s) + kv) / 1e12
+    assert np.isclose(bench_gpu.decode_floor_s(s, 4, 100, 1000.0), want)
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    pytest.importorskip("torch")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "g.json")
+        rc = bench_gpu.main(["--tiny", "--no-compile", "--json", path, "--md", path + ".md"])
+        out = json.load(open(path))
+        out["rc"], out["markdown"] = rc, open(path + ".md").read()
+    return out
+
+
+def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
+    """Catches a part that crashed or measured nothing (a missing or non-positive figure), a
+    headline wired to the wrong measurement (recomputed here from the recorded times), and a
+    recompilation inside the timed loops."""
+    s = bench_gpu.TINY
+    assert smoke["rc"] == 0
+    head, jx, th = smoke["headline"], smoke["details"]["jax"], smoke["details"]["torch"]
+    for key in (
+        "train_p3o_mfu",
+        "train_vs_torch",
+        "decode_b4_ms",
+        "decode_vs_hf_b4",
+        "decode_b4_of_bandwidth",
+        "copy_gbps",
+        "bf16_ceiling_tflops",
+    ):
+        assert math.isfinite(head[key]) and head[key] > 0, (key, head[key])
+    assert set(jx["train"]) == {"p3o", "grpo"} and set(th["train"]) == {"torch_eager"}
+    assert all(v["finite"] and v["compiles_while_timed"] == [] for v in jx["train"].values())
+    assert jx["decode"]["4"]["compiles_while_timed"] == []
+    p3o, grpo = (np.median(jx["train"][k]["seconds"]) for k in ("p3o", "grpo"))
+    assert np.isclose(head["ess_overhead"], p3o / grpo - 1)
+    assert np.isclose(
+        head["train_vs_torch"], np.median(th["train"]["torch_eager"]["seconds"]) / p3o
+    )
+    ceiling = max([*jx["gemm_tflops"].values(), *th["gemm_tflops"].values()])
+    flops = bench_common.train_flops(s, s.train_batch, s.train_seq)
+    assert np.isclose(head["train_p3o_mfu"], flops / p3o / (ceiling * 1e12))
+    step = np.median([r["decode"] for r in jx["decode"]["4"]["rounds"]]) / (s.gen - 1)
+    hstep = np.median([r[f"decode@{s.gen}"] for r in th["decode"]["4"]["rounds"]]) / (s.gen - 1)
+    assert np.isclose(head["decode_vs_hf_b4"], hstep / step)
+    assert "| ess_jax train over best torch peer |" in smoke["markdown"]
+    assert "a tiny smoke model" in smoke["markdown"]
