@@ -6,7 +6,8 @@ head, K head dim. model.py holds the parameters and wires these together.
 Attention has two code paths with the same numbers (both checked against teacher forcing and
 Hugging Face through the model and sampler tests):
   - several queries (training forwards, the sampler's prefill): einsum contractions, optionally
-    `chunk` queries at a time with each chunk recomputed in the backward pass;
+    `chunk` queries at a time with each chunk recomputed in the backward pass; unchunked, in
+    causal blocks that skip the keys past each block's last query (`causal_blocks`);
   - one query per row (a decode step): elementwise multiply-and-sum over the keys. On XLA:CPU
     the batched [G, K] x [K, S] dots of the einsum form run as B * N tiny matmuls; the
     elementwise form is one fused loop over the cache, so a decode step costs what reading the
@@ -91,19 +92,39 @@ def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Arr
     return (x * cos + rotated * sin).astype(x_BxTxHxK.dtype)
 
 
-def attention(q_BxTxNxGxK, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS, query_idx_T, chunk: int):
+# Several queries with chunk == 0: at least this many queries per causal block (below 2x that,
+# one block); see `attention`.
+CAUSAL_BLOCKS, MIN_CAUSAL_BLOCK = 4, 64
+
+
+def attention(
+    q_BxTxNxGxK,
+    k_BxNxSxK,
+    v_BxNxSxK,
+    kv_mask_BxS,
+    query_idx_T,
+    chunk: int,
+    query_offset: int | None = None,
+):
     """Causal, masked softmax attention; returns [B, T, N, G, K] in the compute dtype of q.
 
     Query t attends to key s when s <= query_idx_T[t] and kv_mask_BxS[b, s]. `chunk` > 0 (with
     T > chunk) computes `chunk` queries at a time, each recomputed in the backward pass, so no
     [B, N, G, T, S] scores exist at once.
+
+    `query_offset`: a static int when the queries are key positions offset .. offset + T - 1
+    (query_idx_T == offset + arange(T): full-sequence forwards, the prefill). Then, with chunk
+    == 0, the queries go in up to CAUSAL_BLOCKS blocks and each block's scores cover only the
+    keys up to its last query, which the causal mask would zero anyway: the same numbers, about
+    5/8 of the score work at 4 blocks (train step attention at tools/bench.py's 8 x 256 shapes,
+    forward + backward per layer: ~50 -> ~40 ms).
     """
     t, kd = q_BxTxNxGxK.shape[1], q_BxTxNxGxK.shape[-1]
-    key_idx = jnp.arange(k_BxNxSxK.shape[2])
     dt = q_BxTxNxGxK.dtype
     k_all, v_all = k_BxNxSxK.astype(dt), v_BxNxSxK.astype(dt)
 
     if t == 1:  # one decode step: elementwise over the keys (see the module docstring)
+        key_idx = jnp.arange(k_BxNxSxK.shape[2])
         mask_BxS = (key_idx <= query_idx_T[0])[None] & kv_mask_BxS
         q = q_BxTxNxGxK[:, 0, :, :, None, :].astype(jnp.float32)  # B,N,G,1,K
         scores = jnp.sum(q * k_all[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(kd)
@@ -114,27 +135,53 @@ def attention(q_BxTxNxGxK, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS, query_idx_T, chunk
         out = jnp.sum(probs[..., None] * v_all[:, :, None].astype(jnp.float32), axis=-2)
         return out[:, None].astype(dt)
 
-    def attend(q_BxCxNxGxK, query_idx_C):
-        b, c, n, g, _ = q_BxCxNxGxK.shape
-        mask_BxCxS = (key_idx[None, :] <= query_idx_C[:, None])[None] & kv_mask_BxS[:, None]
-        # Queries as [B, N, G*C, K]: both products are then plain batched GEMMs over (b, n),
-        # whose backward needs no transposes of the [.., C, S] scores (with the queries as
-        # [B, C, N, G, K] XLA:CPU copied 12 of them per layer; attention forward + backward
-        # at the bench's 8 x 256 shapes: 86 -> 54 ms per layer).
-        q_BxNxMxK = q_BxCxNxGxK.transpose(0, 2, 3, 1, 4).reshape(b, n, g * c, kd)
-        scores = jnp.einsum("bnmk,bnsk->bnms", q_BxNxMxK, k_all, preferred_element_type=jnp.float32)
-        scores = scores.reshape(b, n, g, c, -1) / math.sqrt(kd)
-        scores = jnp.where(mask_BxCxS[:, None, None], scores, MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt).reshape(b, n, g * c, -1)
-        out = jnp.einsum("bnms,bnsk->bnmk", probs, v_all)
-        return out.reshape(b, n, g, c, kd).transpose(0, 3, 1, 2, 4)
-
     if chunk <= 0 or t <= chunk:
-        return attend(q_BxTxNxGxK, query_idx_T)
+        if query_offset is None or t < 2 * MIN_CAUSAL_BLOCK:
+            return _attend(q_BxTxNxGxK, query_idx_T, k_all, v_all, kv_mask_BxS)
+        outs = [
+            _attend(
+                q_BxTxNxGxK[:, a:z],
+                query_idx_T[a:z],
+                k_all[:, :, :keys],
+                v_all[:, :, :keys],
+                kv_mask_BxS[:, :keys],
+            )
+            for a, z, keys in causal_blocks(t, query_offset)
+        ]
+        return jnp.concatenate(outs, axis=1)
     b, rest = q_BxTxNxGxK.shape[0], q_BxTxNxGxK.shape[2:]
     pad = -t % chunk
     qs = jnp.pad(q_BxTxNxGxK, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
     qs = jnp.moveaxis(qs.reshape(b, -1, chunk, *rest), 1, 0)
     idx = jnp.pad(query_idx_T, (0, pad)).reshape(-1, chunk)
-    out = jax.lax.map(lambda a: jax.checkpoint(attend)(*a), (qs, idx))
+    attend = jax.checkpoint(_attend)
+    out = jax.lax.map(lambda a: attend(*a, k_all, v_all, kv_mask_BxS), (qs, idx))
     return jnp.moveaxis(out, 0, 1).reshape(b, -1, *rest)[:, :t]
+
+
+def causal_blocks(t: int, query_offset: int = 0) -> list[tuple[int, int, int]]:
+    """(first query, end query, keys attended) of each causal block of `attention` for T = t
+    queries at key positions offset .. offset + t - 1 (one block below 2 * MIN_CAUSAL_BLOCK):
+    a block's queries see no key past its last query."""
+    if t < 2 * MIN_CAUSAL_BLOCK:
+        return [(0, t, query_offset + t)]
+    size = max(MIN_CAUSAL_BLOCK, -(-t // CAUSAL_BLOCKS))
+    return [(a, min(a + size, t), query_offset + min(a + size, t)) for a in range(0, t, size)]
+
+
+def _attend(q_BxCxNxGxK, query_idx_C, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS):
+    """C queries against all S keys given: the einsum path of `attention`."""
+    b, c, n, g, kd = q_BxCxNxGxK.shape
+    key_idx = jnp.arange(k_BxNxSxK.shape[2])
+    mask_BxCxS = (key_idx[None, :] <= query_idx_C[:, None])[None] & kv_mask_BxS[:, None]
+    # Queries as [B, N, G*C, K]: both products are then plain batched GEMMs over (b, n),
+    # whose backward needs no transposes of the [.., C, S] scores (with the queries as
+    # [B, C, N, G, K] XLA:CPU copied 12 of them per layer; attention forward + backward
+    # at the bench's 8 x 256 shapes: 86 -> 54 ms per layer).
+    q_BxNxMxK = q_BxCxNxGxK.transpose(0, 2, 3, 1, 4).reshape(b, n, g * c, kd)
+    scores = jnp.einsum("bnmk,bnsk->bnms", q_BxNxMxK, k_BxNxSxK, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, n, g, c, -1) / math.sqrt(kd)
+    scores = jnp.where(mask_BxCxS[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_BxCxNxGxK.dtype).reshape(b, n, g * c, -1)
+    out = jnp.einsum("bnms,bnsk->bnmk", probs, v_BxNxSxK)
+    return out.reshape(b, n, g, c, kd).transpose(0, 3, 1, 2, 4)

@@ -31,40 +31,13 @@ import numpy as np
 import optax
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 
-from ess_jax import layouts
+from ess_jax import layers, layouts
 from ess_jax import model as model_lib
 from ess_jax import sharding as sharding_lib
-from ess_jax.presets import GB, HBM
+from ess_jax.presets import GB, HBM, KNOWN_MODELS
 
 HEADROOM = 0.10  # left free for XLA's workspace, collectives and fragmentation
 
-# config.json fields of the paper's models (and SmolLM2), for planning without the checkpoint.
-KNOWN_MODELS: dict[str, dict] = {
-    "Qwen3-4B-Thinking-2507": dict(
-        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2560,
-        intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, rope_theta=5e6, max_position_embeddings=262144,
-        tie_word_embeddings=True, rms_norm_eps=1e-6,
-    ),
-    "Qwen3-8B": dict(
-        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
-        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
-        tie_word_embeddings=False, rms_norm_eps=1e-6,
-    ),
-    "Qwen2.5-1.5B": dict(
-        architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536,
-        intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=131072,
-        tie_word_embeddings=True, rms_norm_eps=1e-6,
-    ),
-    "SmolLM2-135M-Instruct": dict(
-        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
-        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, rope_theta=1e5, max_position_embeddings=8192,
-        tie_word_embeddings=True, rms_norm_eps=1e-5,
-    ),
-}  # fmt: skip
 
 # XLA's bytes per unit of each term (module docstring): fitted to `compiled.memory_analysis()`
 # of the train step and the sampler on CPU (memory-minimising scheduler), float32 and bfloat16.
@@ -246,8 +219,9 @@ def train_terms(cfg, mesh, rows: int, seq_len: int) -> dict[str, float]:
         terms["gathered"] = k["gathered"] * blocks
     per_layer = k["stash_D"] * r * t * d * b + k["stash_F"] * r * t * f * b
     per_layer += k["stash_mask"] * r * t * t * 4
+    blocks = layers.causal_blocks(t)  # unchunked attention: scores of each causal block
     if not c:
-        per_layer += k["stash_A"] * r * h * t * t * 4
+        per_layer += k["stash_A"] * r * h * sum((z - a) * keys for a, z, keys in blocks) * 4
     if cfg.remat:  # block inputs of every layer, one layer's stash while it is recomputed
         terms["activations"] = n_layers * r * t * d * b + per_layer
     else:
@@ -256,7 +230,7 @@ def train_terms(cfg, mesh, rows: int, seq_len: int) -> dict[str, float]:
         terms["attention"] = k["attn_chunk_tmp"] * r * h * c * t * 4
         terms["logits"] = k["logits_chunk"] * r * c * v * 4
     else:
-        terms["attention"] = k["attn_tmp"] * r * h * t * t * 4
+        terms["attention"] = k["attn_tmp"] * r * h * max((z - a) * n for a, z, n in blocks) * 4
         terms["logits"] = k["logits"] * r * t * v * 4
     return terms
 
@@ -274,7 +248,9 @@ def sampler_terms(
     h = _div(cfg.num_heads, mesh, "tensor")
     rows, uniq = _rows(prompts * samples, mesh), _rows(prompts, mesh)
     per_row = 2 * cfg.num_layers * n_kv * s * cfg.head_dim * b  # K and V of every layer
-    c = cfg.logits_chunk if 0 < cfg.logits_chunk < prompt_len else prompt_len
+    c = cfg.logits_chunk  # queries per chunk, or of the largest causal block
+    if not 0 < c < prompt_len:
+        c = max(z - a for a, z, _ in layers.causal_blocks(prompt_len))
     k = COEF
     draw = k["draw"] * rows * cfg.vocab_size * 4  # float32 logits, noise, log-softmax ...
     shared = draw

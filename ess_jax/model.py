@@ -131,9 +131,10 @@ class Attention(nnx.Module):
         # Keys/values as [B, N, S, K]: the layout the score einsum reads without a transpose
         # (with [B, S, N, K] XLA:CPU copies the whole cache at every decode step).
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        # static when the queries are key positions offset .. offset + t - 1 (causal blocks)
+        offset = cache_index if isinstance(cache_index, int) else None
         if cache is None:  # full-sequence forward: keys are this call's tokens
-            k_all, v_all, new_cache = k, v, None
-            query_idx = jnp.arange(t)
+            k_all, v_all, new_cache, query_idx, offset = k, v, None, jnp.arange(t), 0
         else:  # write this call's keys into the fixed-length cache
             k_all = jax.lax.dynamic_update_slice_in_dim(
                 cache["k"], k.astype(cache["k"].dtype), cache_index, axis=2
@@ -150,7 +151,7 @@ class Attention(nnx.Module):
         b, _, h, kd = q.shape
         n = k_all.shape[1]
         q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
-        out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk)
+        out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk, offset)
         out = out.reshape(b, t, h, kd)
         return dense(out, self.o[...].astype(dt), n_in=2), new_cache
 

@@ -10,6 +10,9 @@ Multi-host (v5e-16: 4 hosts): run the same command on every host; `jax.distribut
 initialised from the environment (sharding.maybe_initialize_distributed: TPU pods and
 SLURM / Open MPI are detected; otherwise set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
 JAX_PROCESS_ID).
+
+KNOWN_MODELS: the config.json fields of those models (and SmolLM2), so that the memory planner
+(memory.py) and the config checks can size a run without the checkpoint.
 """
 
 from __future__ import annotations
@@ -46,3 +49,32 @@ def get(name: str) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+# config.json fields of the paper's models (and SmolLM2), for planning without the checkpoint.
+KNOWN_MODELS: dict[str, dict] = {
+    "Qwen3-4B-Thinking-2507": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2560,
+        intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rope_theta=5e6, max_position_embeddings=262144,
+        tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
+    "Qwen3-8B": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
+        tie_word_embeddings=False, rms_norm_eps=1e-6,
+    ),
+    "Qwen2.5-1.5B": dict(
+        architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536,
+        intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=131072,
+        tie_word_embeddings=True, rms_norm_eps=1e-6,
+    ),
+    "SmolLM2-135M-Instruct": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, rope_theta=1e5, max_position_embeddings=8192,
+        tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),
+}  # fmt: skip

@@ -268,3 +268,55 @@ def test_dense_is_the_einsum_in_float64_and_checks_shapes():
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="do not match"):
         dense(jnp.zeros((2, 5, 7)), jnp.zeros((6, 3)))
+
+
+def _attention_f64(q, k, v, kv_mask, query_idx):
+    """Causal masked softmax attention in float64 numpy: q [B, T, N, G, K], k/v [B, N, S, K]."""
+    scores = np.einsum("btngk,bnsk->bngts", q, k) / np.sqrt(q.shape[-1])
+    allowed = (np.arange(k.shape[2])[None, :] <= query_idx[:, None])[None] & kv_mask[:, None]
+    scores = np.where(allowed[:, None, None], scores, -np.inf)
+    with np.errstate(invalid="ignore"):  # rows that see no key: NaN, never compared
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+    return np.einsum("bngts,bnsk->btngk", p, v)
+
+
+@pytest.mark.parametrize(
+    "t,offset,chunk",
+    [(130, 0, 0), (256, 0, 0), (200, 37, 0), (130, 0, 48), (100, 0, 0)],
+    ids=["3-uneven-blocks", "4-blocks", "offset-37", "chunked", "one-block"],
+)
+def test_attention_causal_blocks_in_float64(t, offset, chunk):
+    """layers.attention with a static query offset splits the queries into causal blocks, each
+    over the keys up to its last query. Catches a block that drops keys its queries may see (an
+    off-by-one at the block's end, the offset ignored), a block whose outputs land at the wrong
+    rows, and a wrong gradient through the blocks: output and gradients against a float64
+    numpy reference and against one unblocked call, with left-padded rows."""
+    from ess_jax import layers
+
+    rng = np.random.default_rng(t + offset)
+    b, n, g, k, s = 2, 2, 2, 8, offset + t + 5  # 5 keys past the last query: always masked
+    q = rng.normal(size=(b, t, n, g, k))
+    keys, vals = rng.normal(size=(2, b, n, s, k))
+    kv_mask = np.ones((b, s), bool)
+    kv_mask[1, : offset + 9] = False  # a left-padded row: its first queries see no key
+    idx = offset + np.arange(t)
+    want = _attention_f64(q, keys, vals, kv_mask, idx)
+    args = [jnp.asarray(x, jnp.float32) for x in (q, keys, vals)]
+    rest = (jnp.asarray(kv_mask), jnp.asarray(idx))
+
+    def f(qq, kk, vv, query_offset):
+        return layers.attention(qq, kk, vv, *rest, chunk, query_offset)
+
+    got = f(*args, offset)
+    rows = np.asarray(kv_mask[:, offset:][:, :t])  # queries with at least their own key
+    np.testing.assert_allclose(np.asarray(got)[rows], want[rows], rtol=1e-4, atol=1e-5)
+    # a query that sees no key (a pad) averages whatever keys it is given, so its output is
+    # unspecified; the model never reads it (pads attend nowhere real, their loss is masked)
+    w = jnp.asarray(rng.normal(size=got.shape) * rows[:, :, None, None, None], jnp.float32)
+    grads = [
+        jax.grad(lambda *a, o=o: jnp.sum(f(*a, o) * w), argnums=(0, 1, 2))(*args)
+        for o in (offset, None)  # None: one unblocked call over all keys
+    ]
+    for blocked, whole in zip(*grads):
+        np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), rtol=1e-4, atol=1e-5)
