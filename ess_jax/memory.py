@@ -11,6 +11,9 @@ abstract mesh of any size); the per-unit coefficients (COEF) are XLA's, fitted t
 `compiled.memory_analysis()` on CPU. tests/test_plan_memory.py holds the estimates within 25% of
 XLA's for the train step and the sampler on 1 and 8 devices, on shapes not used for the fit.
 
+objective.kl_estimator "full" adds its re-score's logits to the train step (and, with lag 0
+and several updates per batch, the copy of the params it re-scores with).
+
 Not modelled: XLA's workspace and collective buffers on accelerators (the HEADROOM margin),
 host memory, the forward-only scoring pass of the dual anchor / TIS (one micro-batch, smaller
 than the train step). `model.remat` is estimated as block inputs of every layer plus one layer
@@ -53,6 +56,7 @@ COEF = {
     "attn_chunk_tmp": 3.46,  # x r H C T 4: chunked attention (recomputed per chunk)
     "logits": 1.21,  # x r T V 4: logits and their gradient (unchunked)
     "logits_chunk": 0.45,  # x r C V 4 (chunked)
+    "full_kl": 1.5,  # x r C V 4 per behaviour model: kl_estimator "full"'s re-score (1.0-2.0)
     # sampler
     "draw": 9.47,  # x rows V 4: one token's draw (logits, noise, log-softmax, ...)
     "dequant": 1.34,  # x block weights in bfloat16 (fp8 sampler)
@@ -201,9 +205,11 @@ def _rows(n: int, mesh) -> float:
     return n / k if n % k == 0 else float(n)
 
 
-def train_terms(cfg, mesh, rows: int, seq_len: int) -> dict[str, float]:
+def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models: int = 0) -> dict[str, float]:
     """Bytes of each transient of one train step on a micro-batch of `rows` sequences of
-    `seq_len` tokens (activations, gradients and update temporaries), per device."""
+    `seq_len` tokens (activations, gradients and update temporaries), per device.
+    `full_kl_models`: behaviour models re-scored in the step (objective.kl_estimator "full":
+    1, 2 with an external model); their params are the caller's to count."""
     r, t = _rows(rows, mesh), seq_len
     b = np.dtype(cfg.compute_dtype).itemsize
     n_layers, d = cfg.num_layers, cfg.hidden_size
@@ -232,6 +238,8 @@ def train_terms(cfg, mesh, rows: int, seq_len: int) -> dict[str, float]:
     else:
         terms["attention"] = k["attn_tmp"] * r * h * max((z - a) * n for a, z, n in blocks) * 4
         terms["logits"] = k["logits"] * r * t * v * 4
+    if full_kl_models:  # a float32 forward per behaviour model, its LM head `c` positions at a time
+        terms["full KL re-score"] = k["full_kl"] * full_kl_models * r * (c or t) * v * 4
     return terms
 
 
@@ -339,7 +347,13 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     prompt_len = max(config.data.buckets)  # worst case: the widest prompt bucket
     seq_len = prompt_len + r.max_new_tokens
     rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch // t.num_microbatches
-    phases: dict[str, dict[str, float]] = {"train step": train_terms(cfg, amesh, rows, seq_len)}
+    full_kl = config.objective.get("kl_estimator") == "full"
+    n_full = (1 + (r.external_fraction > 0)) if full_kl else 0
+    phases: dict[str, dict[str, float]] = {
+        "train step": train_terms(cfg, amesh, rows, seq_len, n_full)
+    }
+    if full_kl and not r.lag and t.updates_per_batch > 1:  # steps.full_kl_inputs' copy
+        phases["train step"]["behaviour params copy"] = train_params
 
     calls = int(r.get("sample_microbatches", 1))
     prompts = config.data.prompts_per_step // calls

@@ -265,8 +265,10 @@ class Decoder(nnx.Module):
 
 @functools.lru_cache(maxsize=32)
 def _abstract(cfg: ModelConfig):
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-    return graphdef, state
+    # outside any context mesh: under a jitted step's (sharding.under_mesh) NNX would read the
+    # params' logical axis names as mesh axes and fail, on a config first bound there
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
 
 
 def _init(cfg: ModelConfig, key: jax.Array) -> Params:

@@ -27,6 +27,10 @@ TRAIN_CASES = [  # devices, rows (global), prompt width, response tokens, logits
     dict(devices=1, rows=2, prompt=32, response=224, chunk=0, dtype="float32"),
     dict(devices=8, rows=16, prompt=32, response=224, chunk=0, dtype="float32"),
     dict(devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="bfloat16"),
+    # objective.kl_estimator "full": the step re-scores pi_b (lagged params, its third argument).
+    # (On 1 device the chunked step's estimate runs ~35% high with or without it: not a case.)
+    dict(devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="float32", full=True),
+    dict(devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="bfloat16", full=True),
 ]
 SAMPLE_CASES = [  # devices, prompts, samples per prompt, bucketed prompt width, new tokens
     dict(devices=1, prompts=4, samples=3, prompt=128, new=96, chunk=0, precision="float32"),
@@ -48,7 +52,7 @@ def _train_case(case):
     import jax
     import jax.numpy as jnp
 
-    from ess_jax import layouts, memory, model, objectives, sharding, steps
+    from ess_jax import layouts, memory, model, objectives, rescore, sharding, steps
     from ess_jax.optim import make_optimizer
 
     cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
@@ -67,12 +71,19 @@ def _train_case(case):
         k: jax.ShapeDtypeStruct((b, t if k in ("tokens", "attn_mask") else t - p), dt, sharding=bsh)
         for k, dt in batch.items()
     }
-    step = steps.make_rl_step(cfg, tx, objectives.ObjectiveConfig(), 1, p, state_sh, bsh)
-    xla = _xla_total(step.lower(state, batch).compile())
+    full = case.get("full", False)
+    obj = objectives.ObjectiveConfig(kl_estimator="full" if full else "k3")
+    args, fk = (state, batch), None
+    if full:  # re-scored with other (e.g. lagged) params: the step's third argument
+        psh = layouts.param_shardings(cfg, mesh, "train")
+        fk = steps.FullKL(rescore.Behaviour(), {"policy": params}, {"policy": psh})
+        args = (state, batch, {"policy": params})
+    step = steps.make_rl_step(cfg, tx, obj, 1, p, state_sh, bsh, full=fk)
+    xla = _xla_total(step.lower(*args).compile())
     amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": case["devices"]}, case["devices"]))
-    terms = memory.train_terms(cfg, amesh, b, t)
+    terms = memory.train_terms(cfg, amesh, b, t, full_kl_models=int(full))
     resident = (
-        memory.param_bytes(cfg, amesh, "train")
+        (1 + full) * memory.param_bytes(cfg, amesh, "train")  # + the behaviour params
         + memory.optimizer_bytes(cfg, amesh, OPTIM)
         + memory.tree_bytes(list(batch.values()), [bsh] * len(batch))
     )
@@ -210,3 +221,32 @@ def test_tool_prints_a_verdict_last(capsys):
     assert last.startswith("peak ") and last.endswith(("fits", "DOES NOT FIT")), last
     assert plan_memory.main([f"--config={path}:p3o", "--mesh=fsdp=2,tensor=4"]) == 0
     assert "'tensor': 4" in capsys.readouterr().out
+
+
+def test_plan_counts_the_full_kl_rescore():
+    """Catches a plan that ignores objective.kl_estimator "full" (its re-score forward's logits,
+    and with lag 0 and several updates per batch the params copy pi_b is re-scored with), so a
+    run it says fits could run out of memory in its first update."""
+    import importlib.util
+
+    from ess_jax import memory
+
+    path = os.path.join(ROOT, "configs/paper/e1_clip_sweep.py")
+    spec = importlib.util.spec_from_file_location("e1", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.get_config("p3o,v5p-8")
+    c.rollout.lag, c.train.updates_per_batch = 0, 2
+    base = memory.plan(c, 4, "v5p")
+    c.objective.kl_estimator = "full"
+    full = memory.plan(c, 4, "v5p")
+    train, chunk = full.phases["train step"], c.model.logits_chunk
+    assert "full KL re-score" not in base.phases["train step"]
+    rows = c.data.prompts_per_step * c.rollout.group_size // 2 // c.train.num_microbatches
+    per_device = rows // full.mesh["data"] // full.mesh["fsdp"]
+    vocab = 151936 // full.mesh["tensor"]
+    want = memory.COEF["full_kl"] * per_device * chunk * vocab * 4
+    assert train["full KL re-score"] == pytest.approx(want)
+    assert train["behaviour params copy"] == full.resident["params (f32)"]
+    extra = full.phase_total("train step") - base.phase_total("train step")
+    assert extra == pytest.approx(want + full.resident["params (f32)"])
