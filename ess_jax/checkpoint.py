@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 from typing import Any
 
 import jax
@@ -33,6 +32,7 @@ from etils import epath
 from orbax.checkpoint._src.metadata import array_metadata_store  # pinned orbax 0.12.8
 
 from ess_jax import hosts
+from ess_jax.ckpt_noise import brief, quiet_late_read_callbacks
 from ess_jax.ckpt_tree import check_tree, flat, place_shardings
 from ess_jax.errors import UserError
 
@@ -41,55 +41,6 @@ COMMIT_MARKER = "commit_success.txt"  # written by orbax just before the final r
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint step that exists but cannot be read (uncommitted, truncated, corrupted)."""
-
-
-def _late_read_echo(e: BaseException | None) -> bool:
-    """Whether `e` is one of the two harmless echoes of a failed restore's other reads."""
-    if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
-        return True
-    msg = "Encountered error while reading array index"
-    return e is not None and isinstance(e.__cause__, GeneratorExit) and str(e).startswith(msg)
-
-
-def _quiet_late_read_callbacks() -> None:
-    """Install (once) a sys.unraisablehook that silences two known, harmless orbax echoes.
-
-    When one array read of a restore fails, orbax's event loop closes while the step's other
-    tensorstore reads are still in flight; each of them then completes into
-    `loop.call_soon_threadsafe`, which raises "Event loop is closed" in a tensorstore thread,
-    and the default hook prints that traceback, racing the one-line `CheckpointError`
-    (2-7 tracebacks per failed restore). The step's abandoned read coroutines echo too: when
-    one is closed (garbage-collected) while suspended, orbax wraps the GeneratorExit in
-    "Encountered error while reading array index: ..." (a page of TensorStore spec each;
-    ~300 of them in one test-suite log). Only those two are dropped (to the debug log);
-    everything else goes to the previous hook. It stays installed, since the late callbacks
-    may land after `restore` has raised.
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "ess_jax_quiet", False):
-        return
-
-    def hook(unraisable) -> None:
-        if _late_read_echo(unraisable.exc_value):
-            brief = str(unraisable.exc_value).split(". See full TensorStore", 1)[0][:200]
-            logging.debug("late tensorstore read after a failed restore: %s", brief)
-        else:
-            previous(unraisable)
-
-    hook.ess_jax_quiet = True
-    sys.unraisablehook = hook
-
-
-def _brief(e: BaseException) -> str:
-    """`Type: first line` of the root cause of an orbax / tensorstore error: the outer ones
-    run to pages (a whole TensorStore spec), the root names the file and what is wrong."""
-    while True:
-        inner = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
-        if inner is None:
-            break
-        e = inner
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def _state_handler() -> ocp.PyTreeCheckpointHandler:
@@ -200,9 +151,15 @@ class Checkpointer:
         """Delete each step that has `keep` verified steps newer than it."""
         # Every process reads back, although only process 0's verdict is used: orbax's restore
         # of the metadata JSON (read_metadata) is itself a barrier across processes (gating this
-        # on process 0 hung the pod test).
-        self._verified.update(s for s in self._pending if self._readable(s))
-        self._pending.clear()
+        # on process 0 hung the pod test). Which steps committed is process 0's view too: a host
+        # that does not see a marker yet must still enter that barrier, not raise before it.
+        pending, self._pending = sorted(self._pending), set()
+        committed = hosts.from_process0(
+            "checkpoint.prune.committed", [s for s in pending if self._committed(s)]
+        )
+        for s in sorted(set(pending) - set(committed)):
+            logging.error("step %d has no %s: not kept for keep-N", s, COMMIT_MARKER)
+        self._verified.update(s for s in committed if self._readable(s))
         if self._keep is None:
             return
         self._mngr.reload()
@@ -231,11 +188,11 @@ class Checkpointer:
         """A cheap read-back of a step just written: commit marker, metadata JSON and the array
         metadata (a full array read is left to restore)."""
         try:
-            self.read_metadata(step)
+            self._read_metadata(step)
             self._mngr.item_metadata(step)
             return True
         except Exception as e:
-            logging.error("step %d does not read back (%s): not kept for keep-N", step, _brief(e))
+            logging.error("step %d does not read back (%s): not kept for keep-N", step, brief(e))
             return False
 
     # --------------------------------------------------------------------------- inspect
@@ -263,6 +220,10 @@ class Checkpointer:
         step = int(step)
         if not self._committed(step):
             raise FileNotFoundError(f"no committed checkpoint step {step} in {self.directory}")
+        return self._read_metadata(step)
+
+    def _read_metadata(self, step: int) -> dict:
+        """read_metadata without the local commit check (the caller agreed on it: _prune)."""
         self._mngr.reload()
         path = self.directory / str(step) / "metadata" / "metadata"
         try:
@@ -272,7 +233,7 @@ class Checkpointer:
         except Exception as e:
             raise CheckpointError(
                 f"checkpoint step {step} in {self.directory}: its metadata file {path} is "
-                f"truncated or corrupted ({_brief(e)})"
+                f"truncated or corrupted ({brief(e)})"
             ) from e
         return out["metadata"]
 
@@ -356,12 +317,12 @@ class Checkpointer:
             saved_tree = getattr(saved, "tree", saved)
         except Exception as e:
             raise CheckpointError(
-                f"{where} is truncated or corrupted: cannot read its array metadata ({_brief(e)})"
+                f"{where} is truncated or corrupted: cannot read its array metadata ({brief(e)})"
             ) from e
         if saved_tree is None:
             raise CheckpointError(f"{where} is truncated or corrupted: no array metadata")
         check_tree(flat(saved_tree), flat(target), where)
-        _quiet_late_read_callbacks()
+        quiet_late_read_callbacks()
         try:
             restore_args = ocp.checkpoint_utils.construct_restore_args(target)
             out = self._mngr.restore(
@@ -374,7 +335,7 @@ class Checkpointer:
             state, metadata = out["state"], out["metadata"]
             jax.block_until_ready(state)
         except Exception as e:
-            raise CheckpointError(f"{where} is truncated or corrupted: {_brief(e)}") from e
+            raise CheckpointError(f"{where} is truncated or corrupted: {brief(e)}") from e
         return step, state, metadata
 
     # --------------------------------------------------------------------------- lifetime

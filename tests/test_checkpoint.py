@@ -309,7 +309,7 @@ def test_late_read_callbacks_after_a_failed_restore_are_silenced_and_nothing_els
     import sys
     import types
 
-    from ess_jax import checkpoint
+    from ess_jax import ckpt_noise
 
     def caused_by(cause, msg="Encountered error while reading array index: (slice(0, 8, 1),)"):
         e = Exception(msg + ". See full TensorStore details: {...}.")
@@ -318,8 +318,8 @@ def test_late_read_callbacks_after_a_failed_restore_are_silenced_and_nothing_els
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
-    checkpoint._quiet_late_read_callbacks()
-    checkpoint._quiet_late_read_callbacks()  # idempotent: one wrapper, not two
+    ckpt_noise.quiet_late_read_callbacks()
+    ckpt_noise.quiet_late_read_callbacks()  # idempotent: one wrapper, not two
     hook = sys.unraisablehook
     assert hook.ess_jax_quiet
     dropped = [RuntimeError("Event loop is closed"), caused_by(GeneratorExit())]
@@ -360,7 +360,34 @@ def test_hosts_make_the_same_agreement_calls_and_only_process_0_deletes(tmp_path
         ckpt.close()
         return list(calls), sorted(os.listdir(d))
 
-    agreed = ["checkpoint.prune.listed", "checkpoint.prune.removed"]
+    agreed = ["checkpoint.prune.committed", "checkpoint.prune.listed", "checkpoint.prune.removed"]
     assert prune_as(0, True) == (agreed, ["2"])  # keep-1: process 0 deletes step 1
     assert prune_as(1, False) == (agreed, ["1", "2"])  # has not seen step 2 commit
     assert prune_as(1, True) == (agreed, ["1", "2"])  # would delete, but it is not process 0
+
+
+def test_a_host_that_does_not_see_the_commit_yet_still_reads_back(tmp_path, monkeypatch):
+    """Catches keep-N's read-back raising on a host before orbax's metadata restore (a barrier
+    across processes) because that host does not see the new step's commit marker yet (shared
+    filesystem lag): the other hosts would wait in the barrier for it. Which steps committed
+    is process 0's view (`hosts.from_process0`); every host then reads those back."""
+    from ess_jax import hosts
+
+    d = tmp_path / "ckpt"
+    ckpt = Checkpointer(str(d), keep=1)
+    ckpt.save(1, _small(1), {"s": 1})
+    ckpt._async = True
+    ckpt.save(2, _small(2), {"s": 2})
+    ckpt._mngr.wait_until_finished()
+    process0_view = {"checkpoint.prune.committed": [2]}  # process 0 sees step 2 committed
+    monkeypatch.setattr(hosts, "from_process0", lambda name, v: process0_view.get(name, v))
+    monkeypatch.setattr(ckpt, "_committed", lambda step: step != 2)  # this host does not
+    read = []
+    restore = ckpt._mngr.restore
+    monkeypatch.setattr(
+        ckpt._mngr, "restore", lambda step, **kw: read.append(step) or restore(step, **kw)
+    )
+    ckpt.wait()  # keep-N
+    assert read == [2]  # entered orbax's metadata restore for step 2, as process 0 does
+    assert 2 in ckpt._verified
+    ckpt.close()
