@@ -117,7 +117,8 @@ def attention(
     == 0, the queries go in up to CAUSAL_BLOCKS blocks and each block's scores cover only the
     keys up to its last query, which the causal mask would zero anyway: the same numbers, about
     5/8 of the score work at 4 blocks (train step attention at tools/bench.py's 8 x 256 shapes,
-    forward + backward per layer: ~50 -> ~40 ms).
+    forward + backward per layer: ~50 -> ~40 ms). Chunked attention keeps one `lax.map` over
+    same-shaped chunks (its memory bound), so every chunk attends over all S keys.
     """
     t, kd = q_BxTxNxGxK.shape[1], q_BxTxNxGxK.shape[-1]
     dt = q_BxTxNxGxK.dtype
