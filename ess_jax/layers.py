@@ -137,7 +137,7 @@ def attention(
         return out[:, None].astype(dt)
 
     if chunk <= 0 or t <= chunk:
-        if query_offset is None or t < 2 * MIN_CAUSAL_BLOCK:
+        if query_offset is None:
             return _attend(q_BxTxNxGxK, query_idx_T, k_all, v_all, kv_mask_BxS)
         outs = [
             _attend(

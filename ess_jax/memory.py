@@ -225,9 +225,9 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models: int = 0) -> 
         terms["gathered"] = k["gathered"] * blocks
     per_layer = k["stash_D"] * r * t * d * b + k["stash_F"] * r * t * f * b
     per_layer += k["stash_mask"] * r * t * t * 4
-    blocks = layers.causal_blocks(t)  # unchunked attention: scores of each causal block
+    causal = layers.causal_blocks(t)  # unchunked attention: (queries, keys) of each block
     if not c:
-        per_layer += k["stash_A"] * r * h * sum((z - a) * keys for a, z, keys in blocks) * 4
+        per_layer += k["stash_A"] * r * h * sum((z - a) * keys for a, z, keys in causal) * 4
     if cfg.remat:  # block inputs of every layer, one layer's stash while it is recomputed
         terms["activations"] = n_layers * r * t * d * b + per_layer
     else:
@@ -236,7 +236,7 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models: int = 0) -> 
         terms["attention"] = k["attn_chunk_tmp"] * r * h * c * t * 4
         terms["logits"] = k["logits_chunk"] * r * c * v * 4
     else:
-        terms["attention"] = k["attn_tmp"] * r * h * max((z - a) * n for a, z, n in blocks) * 4
+        terms["attention"] = k["attn_tmp"] * r * h * max((z - a) * n for a, z, n in causal) * 4
         terms["logits"] = k["logits"] * r * t * v * 4
     if full_kl_models:  # a float32 forward per behaviour model, its LM head `c` positions at a time
         terms["full KL re-score"] = k["full_kl"] * full_kl_models * r * (c or t) * v * 4

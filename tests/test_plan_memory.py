@@ -227,15 +227,10 @@ def test_plan_counts_the_full_kl_rescore():
     """Catches a plan that ignores objective.kl_estimator "full" (its re-score forward's logits,
     and with lag 0 and several updates per batch the params copy pi_b is re-scored with), so a
     run it says fits could run out of memory in its first update."""
-    import importlib.util
-
+    from configs.paper import e1_clip_sweep
     from ess_jax import memory
 
-    path = os.path.join(ROOT, "configs/paper/e1_clip_sweep.py")
-    spec = importlib.util.spec_from_file_location("e1", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config("p3o,v5p-8")
+    c = e1_clip_sweep.get_config("p3o,v5p-8")
     c.rollout.lag, c.train.updates_per_batch = 0, 2
     base = memory.plan(c, 4, "v5p")
     c.objective.kl_estimator = "full"
