@@ -45,6 +45,7 @@ from bench_common import (  # noqa: E402
     hf_shape,
     matmul_params,
     median,
+    time_round_robin,
     train_flops,
 )
 
@@ -112,24 +113,12 @@ def model_config(s: Sizes):
 
 
 def train_batch(s: Sizes) -> dict:
-    """B x T random tokens, a ragged loss mask, behaviour log-probs -log V + N(0, 0.3) (the
-    ESS < 1, every P3O term live) and 0/1 rewards z-scored in groups of 4 as advantages."""
+    """bench_train's random batch, behaviour log-probs -log V + N(0, 0.3) (no model forward:
+    the two sides hold different weights here, and it spares a compile)."""
     import numpy as np
+    from bench_train import random_train_batch
 
-    rng = np.random.default_rng(0)
-    b, t = s.train_batch, s.train_seq
-    pos = np.arange(t)[None]
-    mask = (pos >= 1) & (pos < rng.integers(t // 2, t + 1, b)[:, None])
-    blogp = -math.log(s.vocab) + rng.normal(0.0, 0.3, (b, t))
-    r = rng.integers(0, 2, b).astype(np.float64).reshape(-1, math.gcd(b, 4))
-    adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6)).reshape(b)
-    return {
-        "tokens": rng.integers(1, s.vocab, (b, t)).astype(np.int32),
-        "attn_mask": np.ones((b, t), bool),
-        "mask": mask.astype(np.float32),
-        "behaviour_logp": np.where(mask, blogp, 0.0).astype(np.float32),
-        "advantages": np.where(mask, adv[:, None], 0.0).astype(np.float32),
-    }
+    return random_train_batch(s, lambda tokens: np.full(tokens.shape, -math.log(s.vocab)))
 
 
 def decode_floor_s(s: Sizes, batch: int, keys: int, gbps: float) -> float:
@@ -139,15 +128,10 @@ def decode_floor_s(s: Sizes, batch: int, keys: int, gbps: float) -> float:
     return (2 * matmul_params(s) + kv) / (gbps * 1e9)
 
 
-def timed(fn, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        got = fn()
-        out.append(got if isinstance(got, (float, dict)) else time.perf_counter() - t0)
-    return out
+def timed(fn, warmup: int, repeats: int) -> tuple[list, list[str]]:
+    """(per-call results, XLA compilations while timing) of one fn: time_round_robin's rules."""
+    times, compiles = time_round_robin({"fn": fn}, warmup, repeats)
+    return times["fn"], compiles
 
 
 # ----------------------------------------------------------------------------- ess_jax
@@ -156,7 +140,7 @@ def timed(fn, warmup: int, repeats: int) -> list[float]:
 def part_jax(s: Sizes, budget: float, save) -> dict:
     import jax
     import jax.numpy as jnp
-    from bench_common import CompileCounter, one_device_mesh
+    from bench_common import one_device_mesh
     from bench_decode import jax_runner
     from bench_train import jax_trainer
 
@@ -176,11 +160,11 @@ def part_jax(s: Sizes, budget: float, save) -> dict:
                 y = mm(a, a)
             y.block_until_ready()
 
-        res["gemm_tflops"][str(n)] = 20 * 2 * n**3 / median(timed(twenty, 2, 5)) / 1e12
-    nbytes = COPY_BYTES if s.layers > 2 else 2**24
+        res["gemm_tflops"][str(n)] = 20 * 2 * n**3 / median(timed(twenty, 2, 5)[0]) / 1e12
+    nbytes = 2**24 if s == TINY else COPY_BYTES
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     double = jax.jit(lambda x: x * 2)
-    copy_s = median(timed(lambda x=x: double(x).block_until_ready(), 2, 9))
+    copy_s = median(timed(lambda x=x: double(x).block_until_ready(), 2, 9)[0])
     res["copy_gbps"] = 2 * nbytes / copy_s / 1e9
     save(res)
 
@@ -197,14 +181,13 @@ def part_jax(s: Sizes, budget: float, save) -> dict:
         step, losses = jax_trainer(cfg, params, mesh, batch, objective=obj)
         step()
         compile_s = time.perf_counter() - t0
-        with CompileCounter() as c:
-            times = timed(step, s.warmup, s.repeats)
+        times, compiles = timed(step, s.warmup, s.repeats)
         res["train"][obj] = {
             "seconds": times,
             "first_step_s": compile_s,
             "loss": losses[0],
             "finite": all(math.isfinite(v) for v in losses),
-            "compiles_while_timed": c.names,
+            "compiles_while_timed": compiles,
         }
         say(f"  {obj}: {median(times) * 1e3:.1f} ms/step, loss {losses[0]:.4f}")
         save(res)
@@ -222,12 +205,11 @@ def part_jax(s: Sizes, budget: float, save) -> dict:
         t0 = time.perf_counter()
         run()
         compile_s = time.perf_counter() - t0
-        with CompileCounter() as c:
-            rounds = timed(run, s.warmup, s.repeats)
+        rounds, compiles = timed(run, s.warmup, s.repeats)
         res["decode"][str(b)] = {
             "rounds": rounds,
             "first_call_s": compile_s,
-            "compiles_while_timed": c.names,
+            "compiles_while_timed": compiles,
         }
         say(f"  decode {median([r['decode'] for r in rounds]) / (s.gen - 1) * 1e3:.2f} ms/step")
         save(res)
@@ -279,7 +261,7 @@ def part_torch(s: Sizes, budget: float, compile_torch: bool, save) -> dict:
                 torch.mm(a, a)
             sync()
 
-        res["gemm_tflops"][str(n)] = 20 * 2 * n**3 / median(timed(twenty, 2, 5)) / 1e12
+        res["gemm_tflops"][str(n)] = 20 * 2 * n**3 / median(timed(twenty, 2, 5)[0]) / 1e12
     hf = hf_qwen2(s, device)
     batch = train_batch(s)
     res["train"] = {}
@@ -294,7 +276,7 @@ def part_torch(s: Sizes, budget: float, compile_torch: bool, save) -> dict:
             res["train"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             return
         first_s = time.perf_counter() - t0
-        times = timed(lambda: (step(), sync()), s.warmup, s.repeats)
+        times, _ = timed(lambda: (step(), sync()), s.warmup, s.repeats)
         res["train"][name] = {"seconds": times, "first_step_s": first_s, "loss": losses[0]}
         say(f"  {name}: {median(times) * 1e3:.1f} ms/step, loss {losses[0]:.4f}")
         save(res)
@@ -309,7 +291,7 @@ def part_torch(s: Sizes, budget: float, compile_torch: bool, save) -> dict:
         prompts, mask = left_padded_prompts(b, s.prompt, s.vocab, seed=b)
         run, warm = hf_runner(hf16, prompts, mask, s.gen, "sampled")
         warm()
-        res["decode"][str(b)] = {"rounds": timed(run, 0, max(2, s.repeats // 2))}
+        res["decode"][str(b)] = {"rounds": timed(run, 0, max(2, s.repeats // 2))[0]}
         save(res)
     del hf16
     if compile_torch and left() > 0.4 * budget:

@@ -49,8 +49,14 @@ def gemm_ceiling(s: Sizes) -> dict[str, dict[str, float]]:
 
 
 def make_train_batch(cfg, params, s: Sizes) -> dict[str, np.ndarray]:
+    """`random_train_batch` with behaviour log-probs = the model's own plus noise."""
+    logp = jax.jit(lambda p, x: model.token_logprobs(cfg, p, x))
+    return random_train_batch(s, lambda tokens: np.asarray(logp(params, tokens)))
+
+
+def random_train_batch(s: Sizes, logp_fn) -> dict[str, np.ndarray]:
     """B x T random sequences with a ragged loss mask (position 0 has no context), behaviour
-    log-probs = the model's own plus N(0, 0.3) noise (so the ESS < 1 and every term of P3O is
+    log-probs = logp_fn(tokens) plus N(0, 0.3) noise (so the ESS < 1 and every term of P3O is
     live) and group z-scored random 0/1 rewards as advantages."""
     rng = np.random.default_rng(0)
     b, t = s.train_batch, s.train_seq
@@ -58,7 +64,7 @@ def make_train_batch(cfg, params, s: Sizes) -> dict[str, np.ndarray]:
     lengths = rng.integers(t // 2, t + 1, b)
     pos = np.arange(t)[None]
     mask = (pos >= 1) & (pos < lengths[:, None])
-    logp = np.asarray(jax.jit(lambda p, x: model.token_logprobs(cfg, p, x))(params, tokens))
+    logp = logp_fn(tokens)
     blogp = np.where(mask, logp + rng.normal(0.0, 0.3, logp.shape), 0.0).astype(np.float32)
     adv = group_advantages(jnp.asarray(rng.integers(0, 2, b), jnp.float32), math.gcd(b, 4))
     return {
