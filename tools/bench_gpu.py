@@ -19,8 +19,9 @@ writes the report. Per side:
      matmul weights + the KV cache a step reads) / the measured copy bandwidth.
 The two sides hold different random weights (the CPU bench, tools/bench.py, checks identical
 ones): neither side's work depends on the values here, with no stop token and no clipping.
-Compile-heavy on a GPU (28 unrolled layers: ~1 min per train step, 5 sampler programs), so
-`--budget` (seconds per part) skips the optional sections (GRPO, torch.compile) when short.
+Compile-heavy on a GPU (28 unrolled layers, 5 sampler programs; compile times not measured
+yet), so `--budget` (seconds per part) skips the optional sections (GRPO, torch.compile) when
+short.
 """
 
 from __future__ import annotations
