@@ -106,3 +106,11 @@ def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
     assert np.isclose(head["decode_vs_hf_b4"], hstep / step)
     assert "| ess_jax train over best torch peer |" in smoke["markdown"]
     assert "a tiny smoke model" in smoke["markdown"]
+
+
+def test_torch_part_keeps_jax_off_the_gpu():
+    """Catches the torch part's process letting jax take the GPU: it builds its batch with
+    jnp, and jax's default preallocation (75% of the device) would leave torch a quarter of
+    the memory its 1.5B train step needs. The jax part keeps the caller's platform choice."""
+    assert bench_gpu.part_env("torch")["JAX_PLATFORMS"] == "cpu"
+    assert bench_gpu.part_env("jax").get("JAX_PLATFORMS") == os.environ.get("JAX_PLATFORMS")
