@@ -114,3 +114,16 @@ def test_torch_part_keeps_jax_off_the_gpu():
     the memory its 1.5B train step needs. The jax part keeps the caller's platform choice."""
     assert bench_gpu.part_env("torch")["JAX_PLATFORMS"] == "cpu"
     assert bench_gpu.part_env("jax").get("JAX_PLATFORMS") == os.environ.get("JAX_PLATFORMS")
+
+
+def test_sections_name_what_runs_and_reject_unknown_names():
+    """Catches --sections being ignored for the optional sections (a named GRPO step skipped
+    for want of budget, the ESS overhead then missing) or the budget rule lost by default,
+    and a misspelt section silently running nothing."""
+    every = bench_gpu.SECTIONS
+    assert bench_gpu.wanted(("train", "grpo"), "grpo", time_left=False)
+    assert not bench_gpu.wanted(every, "grpo", time_left=False)
+    assert bench_gpu.wanted(every, "grpo", time_left=True)
+    assert not bench_gpu.wanted(("train",), "grpo", time_left=True)
+    with pytest.raises(SystemExit):
+        bench_gpu.main(["--tiny", "--sections", "train,grpp"])

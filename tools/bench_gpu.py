@@ -2,7 +2,7 @@
 MFU and decode speed against the chip's measured bf16 matmul and memory-bandwidth ceilings,
 and the PyTorch peers (Hugging Face Qwen2ForCausalLM) on the same shapes.
 
-    python tools/bench_gpu.py --json gpu.json --md BENCHMARKS_GPU.md   # on a CUDA machine
+    python tools/bench_gpu.py --json gpu.json --md gpu.md   # on a CUDA machine
     python tools/bench_gpu.py --tiny --json /tmp/g.json                # smoke run, any machine
 
 Each side runs in its own process, one after the other (`--part jax`, `--part torch`), so
@@ -19,9 +19,10 @@ writes the report. Per side:
      matmul weights + the KV cache a step reads) / the measured copy bandwidth.
 The two sides hold different random weights (the CPU bench, tools/bench.py, checks identical
 ones): neither side's work depends on the values here, with no stop token and no clipping.
-Compile-heavy on a GPU (28 unrolled layers, 5 sampler programs; compile times not measured
-yet), so `--budget` (seconds per part) skips the optional sections (GRPO, torch.compile) when
-short.
+Compile-heavy on a GPU (28 unrolled layers, 5 sampler programs): on one H200 the P3O step's
+first call took 80-91 s, the sampler's 56 s, torch.compile's 78 s, the whole run ~6.5 min
+(BENCHMARKS_GPU.md). `--budget` (seconds per part) skips the optional sections (GRPO,
+torch.compile) when short; `--sections` names the ones to run, whatever the budget.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ TINY = dataclasses.replace(
 )
 H200_DATASHEET = {"bf16_tflops": 989.0, "hbm_gbps": 4800.0}  # dense, SXM (a lead, not measured)
 COPY_BYTES = 2**31
+# jax part: train (P3O), decode (sampler), grpo; torch part: torch_train (eager), generate,
+# torch_compile. grpo and torch_compile are optional: by default they run if time is left.
+SECTIONS = ("train", "decode", "grpo", "torch_train", "generate", "torch_compile")
 
 
 def say(msg: str) -> None:
@@ -138,7 +142,7 @@ def timed(fn, warmup: int, repeats: int) -> tuple[list, list[str]]:
 # ----------------------------------------------------------------------------- ess_jax
 
 
-def part_jax(s: Sizes, budget: float, save) -> dict:
+def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
     import jax
     import jax.numpy as jnp
     from bench_common import one_device_mesh
@@ -195,13 +199,14 @@ def part_jax(s: Sizes, budget: float, save) -> dict:
         say(f"  {obj}: {median(times) * 1e3:.1f} ms/step, loss {losses[0]:.4f}")
         save(res)
 
-    train("p3o")  # then the sampler, then (time allowing) GRPO for the ESS overhead
+    if "train" in sections:  # then the sampler, then (time allowing) GRPO for the ESS overhead
+        train("p3o")
     sample_params = precision.prepare_fn("bfloat16")(params)
     sample_cfg = cfg.replace(dtype="bfloat16")
     from bench_common import left_padded_prompts
 
     res["decode"] = {}
-    for b in s.decode_batches:
+    for b in s.decode_batches if "decode" in sections else ():
         say(f"sampler batch {b}: {s.prompt}-token prompts, {s.gen} new tokens (compiling)")
         prompts, mask = left_padded_prompts(b, s.prompt, s.vocab, seed=b)
         run = jax_runner(sample_cfg, sample_params, prompts, mask, s.gen, "sampled")
@@ -217,7 +222,7 @@ def part_jax(s: Sizes, budget: float, save) -> dict:
         say(f"  decode {median([r['decode'] for r in rounds]) / (s.gen - 1) * 1e3:.2f} ms/step")
         save(res)
     del sample_params
-    if left() > 0.4 * budget:
+    if wanted(sections, "grpo", left() > 0.4 * budget):
         train("grpo")
     else:
         say(f"skipping the GRPO train step: {left():.0f} s left")
@@ -242,7 +247,7 @@ def hf_qwen2(s: Sizes, device: str):
         return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
-def part_torch(s: Sizes, budget: float, compile_torch: bool, save) -> dict:
+def part_torch(s: Sizes, budget: float, compile_torch: bool, save, sections=SECTIONS) -> dict:
     import torch
     from bench_common import left_padded_prompts
     from bench_decode import hf_runner
@@ -284,20 +289,22 @@ def part_torch(s: Sizes, budget: float, compile_torch: bool, save) -> dict:
         say(f"  {name}: {median(times) * 1e3:.1f} ms/step, loss {losses[0]:.4f}")
         save(res)
 
-    train("torch_eager", False)  # then generate, then (time allowing) torch.compile
+    if "torch_train" in sections:  # then generate, then (time allowing) torch.compile
+        train("torch_eager", False)
     if cuda:
         torch.cuda.empty_cache()
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)  # generate on bf16 weights, as the sampler's
     res["decode"] = {}
-    for b in s.decode_batches:
+    for b in s.decode_batches if "generate" in sections else ():
         say(f"generate batch {b}: {s.prompt}-token prompts, {s.gen} new tokens")
         prompts, mask = left_padded_prompts(b, s.prompt, s.vocab, seed=b)
-        run, warm = hf_runner(hf16, prompts, mask, s.gen, "sampled")
-        warm()
-        res["decode"][str(b)] = {"rounds": timed(run, 0, max(2, s.repeats // 2))[0]}
+        run, _ = hf_runner(hf16, prompts, mask, s.gen, "sampled")
+        # a whole generation as warm-up: on CUDA the first one also grows the caching
+        # allocator through every KV-cache shape (seen: 22 s, then 7.7 s)
+        res["decode"][str(b)] = {"rounds": timed(run, 1, max(2, s.repeats // 2))[0]}
         save(res)
     del hf16
-    if compile_torch and left() > 0.4 * budget:
+    if compile_torch and wanted(sections, "torch_compile", left() > 0.4 * budget):
         train("torch_compile", True)
     else:
         say(f"skipping torch.compile: {left():.0f} s left" if compile_torch else "no compile")
@@ -397,6 +404,12 @@ def report_md(s: Sizes, jx: dict, th: dict, head: dict, command: str) -> str:
     return "\n".join(lines)
 
 
+def wanted(sections, name: str, time_left: bool) -> bool:
+    """Whether to run an optional section: named in --sections, or (all sections asked for)
+    when the part's budget still has time for it."""
+    return name in sections and (time_left or set(sections) != set(SECTIONS))
+
+
 def part_env(part: str) -> dict:
     """The environment of one part's process. The torch part builds its batch with jnp (the
     advantages): left to itself jax would take the GPU and preallocate 75% of its memory
@@ -412,7 +425,15 @@ def main(argv=None) -> int:
     ap.add_argument("--md", metavar="FILE", help="write the markdown report")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds per part, soft")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help="comma list of what to run (default all; named ones run whatever the budget)",
+    )
     args = ap.parse_args(argv)
+    sections = args.sections.split(",")
+    if unknown := set(sections) - set(SECTIONS):
+        ap.error(f"unknown --sections {sorted(unknown)}; known: {', '.join(SECTIONS)}")
     s = TINY if args.tiny else QWEN25_1_5B
     if args.part:  # each section's results are saved as they land: a crash keeps them
 
@@ -422,9 +443,9 @@ def main(argv=None) -> int:
             os.replace(args.json + ".tmp", args.json)
 
         if args.part == "jax":
-            part_jax(s, args.budget, save)
+            part_jax(s, args.budget, save, sections)
         else:
-            part_torch(s, args.budget, not args.no_compile, save)
+            part_torch(s, args.budget, not args.no_compile, save, sections)
         return 0
     import tempfile
 
@@ -435,7 +456,7 @@ def main(argv=None) -> int:
             path = os.path.join(d, f"bench_gpu_{part}.json")
             cmd = [sys.executable, __file__, "--part", part, "--json", path]
             cmd += ["--budget", str(args.budget)] + ["--tiny"] * args.tiny
-            cmd += ["--no-compile"] * args.no_compile
+            cmd += ["--no-compile"] * args.no_compile + ["--sections", args.sections]
             try:  # a hung or slow part keeps what it saved; the other part still runs
                 rc = subprocess.run(cmd, timeout=1.5 * args.budget, env=part_env(part)).returncode
             except subprocess.TimeoutExpired:
