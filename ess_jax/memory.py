@@ -10,7 +10,6 @@ and shardings are exact (`jax.eval_shape` of the optimizer, the model's logical 
 abstract mesh of any size); the per-unit coefficients (COEF) are XLA's, fitted to
 `compiled.memory_analysis()` on CPU. tests/test_plan_memory.py holds the estimates within 25% of
 XLA's for the train step and the sampler on 1 and 8 devices, on shapes not used for the fit.
-
 objective.kl_estimator "full" adds its re-score's logits to the train step (and, with lag 0
 and several updates per batch, the copy of the params it re-scores with).
 
@@ -205,18 +204,21 @@ def _rows(n: int, mesh) -> float:
     return n / k if n % k == 0 else float(n)
 
 
-def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models: int = 0) -> dict[str, float]:
+def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
     """Bytes of each transient of one train step on a micro-batch of `rows` sequences of
     `seq_len` tokens (activations, gradients and update temporaries), per device.
     `full_kl_models`: behaviour models re-scored in the step (objective.kl_estimator "full":
-    1, 2 with an external model); their params are the caller's to count."""
+    1, 2 with an external model); their params are the caller's to count. `scored_len`: the
+    positions the LM head runs on (an RL step's responses; default all)."""
     r, t = _rows(rows, mesh), seq_len
+    s = seq_len if scored_len is None else scored_len
     b = np.dtype(cfg.compute_dtype).itemsize
     n_layers, d = cfg.num_layers, cfg.hidden_size
     f = _div(cfg.intermediate_size, mesh, "tensor")
     h = _div(cfg.num_heads, mesh, "tensor")
     v = _div(cfg.vocab_size, mesh, "tensor")
-    c = cfg.logits_chunk if 0 < cfg.logits_chunk < t else 0
+    c = cfg.logits_chunk if 0 < cfg.logits_chunk < t else 0  # attention's query chunks
+    c_head = cfg.logits_chunk if 0 < cfg.logits_chunk < s else 0  # the LM head's
     k = COEF
     terms = {"update": k["update"] * param_bytes(cfg, mesh, "train")}
     if mesh.shape["fsdp"] > 1:  # whole (tensor-sharded) weights in compute dtype
@@ -234,12 +236,14 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models: int = 0) -> 
         terms["activations"] = n_layers * per_layer
     if c:
         terms["attention"] = k["attn_chunk_tmp"] * r * h * c * t * 4
-        terms["logits"] = k["logits_chunk"] * r * c * v * 4
     else:
         terms["attention"] = k["attn_tmp"] * r * h * max((z - a) * n for a, z, n in causal) * 4
-        terms["logits"] = k["logits"] * r * t * v * 4
+    if c_head:
+        terms["logits"] = k["logits_chunk"] * r * c_head * v * 4
+    else:
+        terms["logits"] = k["logits"] * r * s * v * 4
     if full_kl_models:  # a float32 forward per behaviour model, its LM head `c` positions at a time
-        terms["full KL re-score"] = k["full_kl"] * full_kl_models * r * (c or t) * v * 4
+        terms["full KL re-score"] = k["full_kl"] * full_kl_models * r * (c_head or s) * v * 4
     return terms
 
 
@@ -350,7 +354,7 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     full_kl = config.objective.get("kl_estimator") == "full"
     n_full = (1 + (r.external_fraction > 0)) if full_kl else 0
     phases: dict[str, dict[str, float]] = {
-        "train step": train_terms(cfg, amesh, rows, seq_len, n_full)
+        "train step": train_terms(cfg, amesh, rows, seq_len, n_full, r.max_new_tokens)
     }
     if full_kl and not r.lag and t.updates_per_batch > 1:  # steps.full_kl_inputs' copy
         phases["train step"]["behaviour params copy"] = train_params

@@ -6,10 +6,10 @@ H query heads, N kv heads, K head dim, F MLP width, V vocab, L layers.
 Parameters are float32 masters; `ModelConfig.dtype` is the compute dtype. Every parameter
 carries logical axis names (`out_sharding` metadata) that sharding.py maps to mesh axes.
 
-Functional API (stable, used by the sampler, the trainer and external checks):
+Functional API (stable, used by the sampler, the trainer and external checks; teacher-forced
+log-probs are `scoring.token_logprobs`):
   apply(cfg, params, tokens_BxT) -> logits_BxTxV (float32)
   forward(cfg, params, tokens_BxT, positions_BxT, kv_mask_BxS, cache, cache_index, attend_len)
-  token_logprobs(cfg, params, tokens_BxT, mask_BxT) -> logp_BxT (float32)
 `params` is a plain nested dict of arrays (`nnx.State.to_pure_dict()` of `Decoder`).
 """
 
@@ -353,60 +353,6 @@ def apply(
         mask_BxT = jnp.ones(tokens_BxT.shape, bool)
     logits, _ = forward(cfg, params, tokens_BxT, positions_from_mask(mask_BxT), mask_BxT)
     return logits
-
-
-def logprobs_from_logits(logits_BxTxV: jax.Array, tokens_BxT: jax.Array) -> jax.Array:
-    logz = jax.nn.logsumexp(logits_BxTxV, axis=-1)
-    picked = jnp.take_along_axis(logits_BxTxV, tokens_BxT[..., None], axis=-1)[..., 0]
-    return picked - logz
-
-
-def token_logprobs(
-    cfg: ModelConfig,
-    params: Params,
-    tokens_BxT: jax.Array,
-    mask_BxT: jax.Array | None = None,
-    return_entropy: bool = False,
-):
-    """log pi(tokens[t] | tokens[<t]) at every position t, float32, aligned with tokens.
-
-    Position 0 (no context) and masked positions get 0. With `return_entropy`, also the
-    full-distribution entropy of the prediction of each token. With `cfg.logits_chunk` > 0
-    the [B, T, V] logits are never materialised: they are computed (and, in the backward
-    pass, recomputed) `logits_chunk` positions at a time.
-    """
-    if mask_BxT is None:
-        mask_BxT = jnp.ones(tokens_BxT.shape, bool)
-    mask_BxT = mask_BxT.astype(bool)
-    module = bind(cfg, params)
-    x, _ = module.hidden(cfg, tokens_BxT, positions_from_mask(mask_BxT), mask_BxT)
-    x, targets = x[:, :-1], tokens_BxT[:, 1:]
-
-    def score(x_BxCxD, tgt_BxC):
-        logits = module.logits(cfg, x_BxCxD)
-        lp = logprobs_from_logits(logits, tgt_BxC)
-        if not return_entropy:
-            return lp, jnp.zeros_like(lp)
-        logq = jax.nn.log_softmax(logits, axis=-1)
-        return lp, -jnp.sum(jnp.exp(logq) * logq, axis=-1)
-
-    t, c = x.shape[1], cfg.logits_chunk
-    if c <= 0 or t <= c:
-        lp, ent = score(x, targets)
-    else:
-        pad = -t % c
-        xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
-        ts = jnp.pad(targets, ((0, 0), (0, pad)))
-        split = lambda a: jnp.moveaxis(a.reshape(a.shape[0], -1, c, *a.shape[2:]), 1, 0)
-        # checkpoint: the backward pass recomputes each chunk's logits instead of storing them
-        lp, ent = jax.lax.map(lambda a: jax.checkpoint(score)(*a), (split(xs), split(ts)))
-        merge = lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1)[:, :t]
-        lp, ent = merge(lp), merge(ent)
-    valid = mask_BxT[:, 1:]
-    logp = jnp.pad(jnp.where(valid, lp, 0.0), ((0, 0), (1, 0)))
-    if not return_entropy:
-        return logp
-    return logp, jnp.pad(jnp.where(valid, ent, 0.0), ((0, 0), (1, 0)))
 
 
 def num_params(params: Params) -> int:

@@ -33,7 +33,6 @@ behaviour models run on every row (each row then reads its own): two extra forwa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 from ess_jax import model as model_lib
 from ess_jax.draw import kept_support
 from ess_jax.kl import entropy_from_logits, kl_on_support
+from ess_jax.scoring import logprobs_from_logits, over_time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,23 +84,6 @@ def behaviour_logprobs(logits_BxCxV: jax.Array, b: Behaviour) -> tuple[jax.Array
     masked = jnp.where(keep, scaled, -jnp.inf)
     logq = scaled - jax.nn.logsumexp(masked, axis=-1, keepdims=True)
     return jnp.where(keep, logq, -jnp.inf), keep
-
-
-def _over_time(fn: Callable, chunk: int, *xs_BxTx_):
-    """fn on [B, C, ...] slices of its [B, T, ...] arguments, `chunk` positions at a time (each
-    recomputed in the backward pass); outputs ([B, C] trees) merged back to [B, T]. chunk <= 0
-    or >= T: one call."""
-    t = xs_BxTx_[0].shape[1]
-    if chunk <= 0 or t <= chunk:
-        return fn(*xs_BxTx_)
-    pad = -t % chunk
-
-    def split(a):
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(a.shape[0], -1, chunk, *a.shape[2:]), 1, 0)
-
-    out = jax.lax.map(lambda a: jax.checkpoint(fn)(*a), tuple(split(x) for x in xs_BxTx_))
-    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1)[:, :t], out)
 
 
 def logp_fn_for(
@@ -153,9 +136,9 @@ def logp_fn_for(
             }
             if entropy:
                 out["entropy"] = entropy_from_logits(logits)
-            return model_lib.logprobs_from_logits(logits, tgt_BxC), out
+            return logprobs_from_logits(logits, tgt_BxC), out
 
-        logp, extras = _over_time(
+        logp, extras = over_time(
             score, chunk, x, tokens[:, prompt_len:], *(h for _, h in behaviours)
         )
         valid = mask[:, prompt_len:]

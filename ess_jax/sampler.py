@@ -5,7 +5,7 @@ Axis alphabet: B rows (prompts * num_samples), P prompt length, T response lengt
 
 Per sampled token the sampler records three float32 log-quantities (0 on masked positions):
   raw_logp        log pi(y_t) over the full vocabulary at temperature 1 in the sampler's
-                  precision: what the trainer's `model.token_logprobs` recomputes (tested
+                  precision: what the trainer's `scoring.token_logprobs` recomputes (tested
                   equal to <= 1e-5 in float32).
   behaviour_logp  log of the probability with which y_t was *actually drawn*: after
                   temperature, top-k and top-p, renormalised over the kept support.

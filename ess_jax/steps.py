@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from ess_jax import accumulate, rescore
-from ess_jax import model as model_lib
+from ess_jax import accumulate, rescore, scoring
 from ess_jax import rollout as rollout_lib
 from ess_jax import sharding as sharding_lib
 from ess_jax.objectives import FULL_KL
@@ -74,7 +73,7 @@ def make_sft_step(cfg, tx, state_sh, batch_sh):
 
     def step(state, batch):
         def loss_fn(params):
-            logp = model_lib.token_logprobs(cfg, params, batch["tokens"])
+            logp = scoring.token_logprobs(cfg, params, batch["tokens"])
             m = batch["loss_mask"].astype(jnp.float32)
             return -jnp.sum(logp * m) / jnp.maximum(m.sum(), 1.0)
 
@@ -96,12 +95,10 @@ def logp_fn_for(cfg, prompt_len: int, entropy: bool = False):
     the objectives' entropy bonus uses instead of the -logp proxy (it carries the gradient)."""
 
     def logp_fn(params, mb):
-        out = model_lib.token_logprobs(
-            cfg, params, mb["tokens"], mb["attn_mask"], return_entropy=entropy
+        out = scoring.token_logprobs(
+            cfg, params, mb["tokens"], mb["attn_mask"], entropy, start=prompt_len
         )
-        if not entropy:
-            return out[:, prompt_len:]
-        return out[0][:, prompt_len:], {"entropy": out[1][:, prompt_len:]}
+        return out if not entropy else (out[0], {"entropy": out[1]})
 
     return logp_fn
 

@@ -15,14 +15,14 @@ import pytest
 from test_memory_knobs import CFG
 from test_train import coin_reward, tiny_config
 
-from ess_jax import dynamic_sampling, experiment, model, rollout, train
+from ess_jax import dynamic_sampling, experiment, model, rollout, scoring, train
 from ess_jax.config_checks import ConfigError
 from ess_jax.data import PromptBatcher, char_tokenizer
 from ess_jax.metrics import read_metrics
 
 G = 4
 FIELDS = ("tokens", "attn_mask", "loss_mask", "behaviour_logp", "advantages", "rewards")
-_tf_logp = jax.jit(model.token_logprobs, static_argnums=0)
+_tf_logp = jax.jit(scoring.token_logprobs, static_argnums=0)
 DS_KEYS = ("ds_rounds", "ds_groups_kept", "ds_groups_masked", "ds_frac_constant")
 
 

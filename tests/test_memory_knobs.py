@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from ess_jax import layouts, model, rollout, sharding, steps
+from ess_jax import layouts, model, rollout, scoring, sharding, steps
 from ess_jax.data import char_tokenizer
 
 CFG = model.ModelConfig(
@@ -43,7 +43,7 @@ def test_sampling_in_several_calls_keeps_groups_and_exact_behaviour_logp():
     r, _ = rollout.collect(src, batch, tok, lambda t, ex: 0.0, _rcfg(2), jax.random.key(0))
     assert r.tokens.shape == (16, 12)
     np.testing.assert_array_equal(r.tokens[:, :7], np.repeat(prompts, 4, axis=0))
-    logp = np.asarray(model.token_logprobs(CFG, params, r.tokens, r.attn_mask))[:, 7:]
+    logp = np.asarray(scoring.token_logprobs(CFG, params, r.tokens, r.attn_mask))[:, 7:]
     np.testing.assert_allclose(r.behaviour_logp, logp * r.loss_mask, atol=1e-5)
     assert np.abs(r.behaviour_logp).sum() > 0
     with pytest.raises(ValueError, match="sample_microbatches"):
@@ -61,5 +61,5 @@ def test_chunked_scoring_pass_equals_one_pass():
     mask[::3, :2] = False
     batch = sharding.shard_batch({"tokens": tokens, "attn_mask": mask}, mesh)
     chunked = steps.score_fn(CFG, 4, mesh, 4)(params, batch)
-    whole = np.asarray(model.token_logprobs(CFG, params, tokens, mask))[:, 4:]
+    whole = np.asarray(scoring.token_logprobs(CFG, params, tokens, mask))[:, 4:]
     np.testing.assert_allclose(np.asarray(chunked), whole, atol=1e-5)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ess_jax import layouts, model, sharding, weights
+from ess_jax import layouts, model, scoring, sharding, weights
 
 TOL = 1e-4  # float32 max abs logit difference allowed against PyTorch
 
@@ -118,10 +118,15 @@ def test_parity_with_hf_torch(case, tmp_path):
     assert _max_diff(got_pad[1, 3:], ref_pad[1, 3:]) <= TOL
 
     # per-token log-probs agree with torch's log_softmax
-    lp = model.token_logprobs(cfg, params, tokens)
+    lp = scoring.token_logprobs(cfg, params, tokens)
     ref_lp = torch.log_softmax(torch.tensor(ref[:, :-1]), -1).numpy()
     ref_lp = np.take_along_axis(ref_lp, np.asarray(tokens)[:, 1:, None], -1)[..., 0]
     assert _max_diff(lp[:, 1:], ref_lp) <= TOL and np.all(np.asarray(lp[:, 0]) == 0)
+    # scored from a prompt width on (the RL step's LM head skips the prompt), left-padded
+    lp_s = scoring.token_logprobs(cfg, params, tokens, mask, start=4)
+    ref_s = torch.log_softmax(torch.tensor(ref_pad[:, 3:-1]), -1).numpy()
+    ref_s = np.take_along_axis(ref_s, np.asarray(tokens)[:, 4:, None], -1)[..., 0]
+    assert _max_diff(lp_s, ref_s) <= TOL
 
     # save_hf -> load_hf round trip is exact; torch loads our files and agrees
     weights.save_hf(cfg, params, tmp_path / "ours")

@@ -224,11 +224,14 @@ def test_pod_matches_one_process_and_resumes_after_a_host_is_killed(tmp_path, st
     second.check_ok()
     for i in range(2):
         assert f"process {i}: restored step {CHECKPOINT_EVERY}" in second.log(i), second.tails()
-    # a killed process 0's lock is taken over, not refused; one that failed on its own (its
-    # collective saw process 1's connection drop) released it on the way out
-    assert stale_lock == killed_0, first.tails()
+    # a lock left behind is taken over, not refused. Process 0 leaves one when it was killed
+    # waiting on process 1; when its collective saw the dropped connection it fails and
+    # releases the lock, then may still hang on its way out (killed after the release: seen
+    # under load), so a killed process 0 may have left no lock.
+    if not killed_0:
+        assert not stale_lock, first.tails()  # a process that exits on its own releases it
     took_over = f"taking over the lock left by pid {first.procs[0].pid}" in second.log(0)
-    assert took_over == killed_0, second.tails()
+    assert took_over == stale_lock, second.tails()
     assert not (pod_dir / "lock").exists()
     assert (pod_dir / "curves.png").exists() and (pod_dir / "config.json").exists()
     ref.check_ok()

@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 from test_train import coin_reward, tiny_config
 
-from ess_jax import model as model_lib
 from ess_jax import objectives as O
-from ess_jax import steps, train
+from ess_jax import scoring, steps, train
 
-_tf_logp = jax.jit(model_lib.token_logprobs, static_argnums=0)
+_tf_logp = jax.jit(scoring.token_logprobs, static_argnums=0)
 
 
 def _np_ess(log_ratio, mask):

@@ -81,7 +81,7 @@ def _train_case(case):
     step = steps.make_rl_step(cfg, tx, obj, 1, p, state_sh, bsh, full=fk)
     xla = _xla_total(step.lower(*args).compile())
     amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": case["devices"]}, case["devices"]))
-    terms = memory.train_terms(cfg, amesh, b, t, full_kl_models=int(full))
+    terms = memory.train_terms(cfg, amesh, b, t, int(full), scored_len=case["response"])
     resident = (
         (1 + full) * memory.param_bytes(cfg, amesh, "train")  # + the behaviour params
         + memory.optimizer_bytes(cfg, amesh, OPTIM)

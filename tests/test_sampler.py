@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from ess_jax import model, precision, sampler, sharding
+from ess_jax import model, precision, sampler, scoring, sharding
 
 V, D, F, H, N, K = 32, 32, 64, 4, 2, 8
 NS, T = 600, 8  # samples per prompt, new tokens
@@ -26,7 +26,7 @@ PMASK = np.array([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1], [0, 1, 1, 1, 1]], bool)
 P = PROMPTS.shape[1]
 CHI2_MIN_P = 1e-3
 
-_tf_logp = jax.jit(model.token_logprobs, static_argnums=0)
+_tf_logp = jax.jit(scoring.token_logprobs, static_argnums=0)
 _tf_logits = jax.jit(model.apply, static_argnums=0)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from bench_common import Sizes, median, time_round_robin, train_flops
 
-from ess_jax import model, steps
+from ess_jax import scoring, steps
 from ess_jax import sharding as sharding_lib
 from ess_jax.advantages import broadcast_to_tokens, group_advantages
 from ess_jax.objectives import ObjectiveConfig
@@ -50,7 +50,7 @@ def gemm_ceiling(s: Sizes) -> dict[str, dict[str, float]]:
 
 def make_train_batch(cfg, params, s: Sizes) -> dict[str, np.ndarray]:
     """`random_train_batch` with behaviour log-probs = the model's own plus noise."""
-    logp = jax.jit(lambda p, x: model.token_logprobs(cfg, p, x))
+    logp = jax.jit(lambda p, x: scoring.token_logprobs(cfg, p, x))
     return random_train_batch(s, lambda tokens: np.asarray(logp(params, tokens)))
 
 
