@@ -30,6 +30,37 @@ def kept_support(scaled_BxV, top_k: int, top_p, use_top_p: bool):
     return keep
 
 
+BLOCK = 128  # vocabulary block of the two-stage draw
+
+
+def categorical(key, logits_BxV):
+    """(token [B] int32, logsumexp(logits) [B]): one exact draw from softmax(logits) per row.
+
+    Gumbel-max in two stages: a block of BLOCK tokens with probability exp(lse_block - lse),
+    then a token within it with probability exp(logit - lse_block). Exact, because the maximum
+    of logit + Gumbel noise over a block is itself lse_block + Gumbel noise, independent of
+    where in the block it falls. It draws V / BLOCK + BLOCK Gumbel variables per row instead of
+    V: on the CPU one draw at [32, 8192] went 5.8 -> 0.4 ms, the noise being most of its cost.
+    mode="high": the default Gumbel noise is biased for events with p < ~1e-7, and the recorded
+    log-probs must describe the drawing distribution exactly. -inf logits (a truncated support)
+    are never drawn; padding to whole blocks is -inf too.
+    """
+    b, v = logits_BxV.shape
+    if v <= 2 * BLOCK:
+        tok = jax.random.categorical(key, logits_BxV, axis=-1, mode="high")
+        return tok.astype(jnp.int32), jax.nn.logsumexp(logits_BxV, axis=-1)
+    nb = -(-v // BLOCK)
+    x_BxNxK = jnp.pad(logits_BxV, ((0, 0), (0, nb * BLOCK - v)), constant_values=-jnp.inf)
+    x_BxNxK = x_BxNxK.reshape(b, nb, BLOCK)
+    lse_BxN = jax.nn.logsumexp(x_BxNxK, axis=-1)  # -inf for a block with nothing to draw
+    k_block, k_token = jax.random.split(key)
+    block = jax.random.categorical(k_block, lse_BxN, axis=-1, mode="high")
+    inner_BxK = jnp.take_along_axis(x_BxNxK, block[:, None, None], axis=1)[:, 0]
+    within = jax.random.categorical(k_token, inner_BxK, axis=-1, mode="high")
+    tok = (block * BLOCK + within).astype(jnp.int32)
+    return tok, jax.nn.logsumexp(lse_BxN, axis=-1)
+
+
 def draw(logits_BxV, key, temperature, top_p, *, greedy: bool, top_k: int, use_top_p: bool):
     """token, behaviour_logp, raw_logp, log_kept_mass for one step (all float32)."""
     logits = logits_BxV.astype(jnp.float32)
@@ -49,10 +80,7 @@ def draw(logits_BxV, key, temperature, top_p, *, greedy: bool, top_k: int, use_t
         masked = jnp.where(keep, scaled, -jnp.inf)
     else:
         masked = scaled
-    # mode="high": the default gumbel noise is biased for events with p < ~1e-7, and the
-    # recorded log-probs must describe the drawing distribution exactly.
-    tok = jax.random.categorical(key, masked, axis=-1, mode="high").astype(jnp.int32)
-    kept_lse = jax.nn.logsumexp(masked, axis=-1)
+    tok, kept_lse = categorical(key, masked)
     behaviour = pick(scaled, tok) - kept_lse
     if truncated:
         kept_mass = kept_lse - jax.nn.logsumexp(scaled, axis=-1)
