@@ -242,7 +242,7 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
         terms["logits"] = k["logits_chunk"] * r * c_head * v * 4
     else:
         terms["logits"] = k["logits"] * r * s * v * 4
-    if full_kl_models:  # a float32 forward per behaviour model, its LM head `c` positions at a time
+    if full_kl_models:  # a float32 forward per behaviour model, its LM head like the policy's
         terms["full KL re-score"] = k["full_kl"] * full_kl_models * r * (c_head or s) * v * 4
     return terms
 

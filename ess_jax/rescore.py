@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from ess_jax import model as model_lib
 from ess_jax.draw import kept_support
 from ess_jax.kl import entropy_from_logits, kl_on_support
-from ess_jax.scoring import logprobs_from_logits, over_time
+from ess_jax.scoring import logprobs_from_logits, over_time, scored_hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +112,9 @@ def logp_fn_for(
 
     def logp_fn(params, mb):
         tokens, mask = mb["tokens"], mb["attn_mask"].astype(bool)
-        positions = model_lib.positions_from_mask(mask)
 
         def response_hidden(c, p):  # the hidden states that predict the response tokens
-            module = model_lib.bind(c, p)
-            return module, module.hidden(c, tokens, positions, mask)[0][:, prompt_len - 1 : -1]
+            return scored_hidden(c, p, tokens, mask, prompt_len)
 
         policy, x = response_hidden(cfg, params)
         behaviours = [response_hidden(c, p) for c, p in sources]

@@ -47,6 +47,15 @@ def over_time(fn: Callable, chunk: int, *xs_BxTx_):
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1)[:, :t], out)
 
 
+def scored_hidden(cfg, params, tokens_BxT, mask_BxT, start: int):
+    """(bound module, hidden states [B, T - start, D]): the final hidden states that predict
+    tokens[:, start:] (position t - 1 predicts token t; start >= 1), for the LM head."""
+    module = model_lib.bind(cfg, params)
+    positions = model_lib.positions_from_mask(mask_BxT)
+    x, _ = module.hidden(cfg, tokens_BxT, positions, mask_BxT)
+    return module, x[:, start - 1 : -1]
+
+
 def token_logprobs(
     cfg: model_lib.ModelConfig,
     params: model_lib.Params,
@@ -68,11 +77,9 @@ def token_logprobs(
     if mask_BxT is None:
         mask_BxT = jnp.ones(tokens_BxT.shape, bool)
     mask_BxT = mask_BxT.astype(bool)
-    module = model_lib.bind(cfg, params)
-    positions = model_lib.positions_from_mask(mask_BxT)
-    x, _ = module.hidden(cfg, tokens_BxT, positions, mask_BxT)
     first = max(start, 1)  # the first token that has a context
-    x_BxRxD, targets_BxR = x[:, first - 1 : -1], tokens_BxT[:, first:]
+    module, x_BxRxD = scored_hidden(cfg, params, tokens_BxT, mask_BxT, first)
+    targets_BxR = tokens_BxT[:, first:]
 
     def score(x_BxCxD, tgt_BxC):
         logits = module.logits(cfg, x_BxCxD)
