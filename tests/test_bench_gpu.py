@@ -108,12 +108,14 @@ def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
     assert "a tiny smoke model" in smoke["markdown"]
 
 
-def test_torch_part_keeps_jax_off_the_gpu():
+def test_torch_part_keeps_jax_off_the_gpu(monkeypatch):
     """Catches the torch part's process letting jax take the GPU: it builds its batch with
     jnp, and jax's default preallocation (75% of the device) would leave torch a quarter of
-    the memory its 1.5B train step needs. The jax part keeps the caller's platform choice."""
+    the memory its 1.5B train step needs. The jax part keeps the caller's platform choice.
+    (The suite itself runs with JAX_PLATFORMS=cpu, so the caller's choice is set here.)"""
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     assert bench_gpu.part_env("torch")["JAX_PLATFORMS"] == "cpu"
-    assert bench_gpu.part_env("jax").get("JAX_PLATFORMS") == os.environ.get("JAX_PLATFORMS")
+    assert bench_gpu.part_env("jax")["JAX_PLATFORMS"] == "cuda"
 
 
 def test_sections_name_what_runs_and_reject_unknown_names():
