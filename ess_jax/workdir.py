@@ -33,6 +33,7 @@ from ess_jax.config_checks import check_names, leaves
 from ess_jax.errors import UserError
 
 LOCK_FILE = "lock"
+HOLDER_WRITE_WAIT_S = 2.0  # how long a refused process waits for the holder's record
 CONFIG_FILE = "config.json"
 # Fields a resume may change without --allow_config_change: when to stop, save and evaluate, and
 # the mesh (checkpoints restore onto any mesh). A section name covers all its fields.
@@ -66,7 +67,7 @@ class WorkdirLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                holder = _read_holder(fd, wait_s=HOLDER_WRITE_WAIT_S)
                 os.close(fd)
                 mine = " (this process: close() its other Run)" if _is_me(holder) else ""
                 raise WorkdirError(
@@ -112,12 +113,21 @@ class WorkdirLock:
         self.release()
 
 
-def _read_holder(fd: int) -> dict | None:
-    try:
-        data = os.pread(fd, 4096, 0)
-        return json.loads(data) if data.strip() else None
-    except (OSError, ValueError):
-        return {"pid": "?", "host": "?"}
+def _read_holder(fd: int, wait_s: float = 0.0) -> dict | None:
+    """Who the lock file says holds it; None if it is empty. With `wait_s`, an empty file is
+    read again until then: a holder writes its record just after it takes the flock, and a
+    process refused in between would otherwise name "another process"."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            data = os.pread(fd, 4096, 0)
+            if data.strip():
+                return json.loads(data)
+        except (OSError, ValueError):
+            return {"pid": "?", "host": "?"}
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
 
 
 def _is_me(holder: dict | None) -> bool:

@@ -272,3 +272,25 @@ def test_keep_n_never_deletes_an_intact_step_while_newer_ones_are_unverified(tmp
     assert (step, meta) == (4, {"s": 4}) and float(state["w"][0, 0]) == 4.0
     ckpt.save(5, _small(5), {"s": 5})  # verified: now 4 may go
     assert ckpt.all_steps() == [5] and (tmp_path / "5.unreadable").is_dir()
+
+
+def test_refused_run_names_a_holder_that_has_not_written_its_record_yet(tmp_path):
+    """Catches the refusal naming "another process" when it lands between the holder's flock
+    and the write of its pid / host (seen in CI: test_two_runs_on_one_workdir's two runs
+    started together): the refused process waits for the record (planted: no wait, fails)."""
+    import fcntl
+    import threading
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    fd = os.open(workdir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, record not written yet
+    record = {"pid": 4242, "host": "elsewhere", "since": time.time()}
+    writer = threading.Timer(0.3, lambda: os.pwrite(fd, json.dumps(record).encode(), 0))
+    writer.start()
+    try:
+        with pytest.raises(WorkdirError, match="is in use by pid 4242 on host elsewhere since"):
+            WorkdirLock(str(workdir)).acquire()
+    finally:
+        writer.join()
+        os.close(fd)
