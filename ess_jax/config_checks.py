@@ -148,9 +148,16 @@ DOMAINS: dict[str, Domain] = {
 # not in objectives.py, so that the CLI refuses a bad name before jax is imported.
 ESS_SCOPES = ("step", "microbatch", "microbatch_local")
 
+# ModelConfig.attention_impl (meanings: ess_jax/model.py; "cudnn" also needs a CUDA backend,
+# checked in experiment.validate).
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+
 # String fields with a fixed set of values (the rest are checked by their builders in
 # experiment.validate).
-CHOICES: dict[str, tuple[str, ...]] = {"objective.ess_scope": ESS_SCOPES}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "objective.ess_scope": ESS_SCOPES,
+    "model.attention_impl": ATTENTION_IMPLS,
+}
 
 
 def leaves(tree: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:

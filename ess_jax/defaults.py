@@ -21,6 +21,8 @@ def base_config() -> ml_collections.ConfigDict:
     # > 0: full-sequence forwards compute the LM head and attention this many tokens at a time
     c.model.logits_chunk = 0
     c.model.remat = False  # recompute each block in the backward pass (long sequences)
+    # attention of training forwards and the prefill: einsum | cudnn (NVIDIA GPU, bf16) | xla
+    c.model.attention_impl = "einsum"
     # embedded model only (a char-level Llama-style decoder trained from scratch):
     c.model.hidden_size = 64
     c.model.intermediate_size = 192

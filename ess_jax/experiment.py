@@ -46,6 +46,15 @@ def validate(config) -> None:
     m = config.model
     if m.source == "embedded" and m.num_heads % m.num_kv_heads:
         fail("model.num_kv_heads", f"{m.num_kv_heads} does not divide num_heads={m.num_heads}")
+    if m.get("attention_impl") == "cudnn":
+        if jax.default_backend() != "gpu":
+            fail(
+                "model.attention_impl",
+                f"'cudnn' runs on NVIDIA GPUs only; this run's backend is "
+                f"{jax.default_backend()!r} (use 'einsum')",
+            )
+        if m.dtype != "bfloat16":
+            fail("model.attention_impl", f"'cudnn' needs model.dtype 'bfloat16', got {m.dtype!r}")
     if config.task.name not in SYNTHETIC_TASKS + LOCAL_DATASETS:
         fail(
             "task.name",
@@ -166,6 +175,7 @@ def load_policy(
             pad_token_id=tok.pad_token_id,
             logits_chunk=mcfg.logits_chunk,
             remat=mcfg.remat,
+            attention_impl=mcfg.get("attention_impl", "einsum"),
         )
         shardings = None if mesh is None else layouts.param_shardings(cfg, mesh)
         return cfg, model_lib.init_params(cfg, int(mcfg.init_seed), shardings), tok
@@ -173,7 +183,12 @@ def load_policy(
     cfg, params, tok = weights.load_checkpoint(path, mesh=mesh)
     if tok is None and need_tokenizer:
         fail("model.source", f"{path!r} has no tokenizer files")
-    cfg = cfg.replace(dtype=mcfg.dtype, logits_chunk=mcfg.logits_chunk, remat=mcfg.remat)
+    cfg = cfg.replace(
+        dtype=mcfg.dtype,
+        logits_chunk=mcfg.logits_chunk,
+        remat=mcfg.remat,
+        attention_impl=mcfg.get("attention_impl", "einsum"),
+    )
     return cfg, params, tok
 
 

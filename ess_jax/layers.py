@@ -160,6 +160,30 @@ def attention(
     return jnp.moveaxis(out, 0, 1).reshape(b, -1, *rest)[:, :t]
 
 
+def fused_attention(
+    q_BxTxNxGxK, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS, query_idx_T, implementation: str
+):
+    """`attention`'s numbers (same masks, float32 scores and softmax, probabilities rounded to
+    the compute dtype) through jax.nn.dot_product_attention. `implementation` "cudnn" is
+    cuDNN's fused flash attention on NVIDIA GPUs (bfloat16 / float16 only), which never holds
+    the [T, S] scores; "xla" is jax's reference einsum, here so that CPU tests check this
+    function's layouts, mask and head grouping against `attention`. The mask (causal and the
+    left pads, [B, 1, T, S]) reaches cuDNN as an additive bias of a large finite negative, so
+    fully masked rows (pad queries) stay finite, as MASK_VALUE keeps them in `attention`."""
+    b, t, n, g, kd = q_BxTxNxGxK.shape
+    dt = q_BxTxNxGxK.dtype
+    key_idx = jnp.arange(k_BxNxSxK.shape[2])
+    mask_BxTxS = (key_idx[None, :] <= query_idx_T[:, None])[None] & kv_mask_BxS[:, None]
+    out = jax.nn.dot_product_attention(
+        q_BxTxNxGxK.reshape(b, t, n * g, kd),  # query head n * g + j uses kv head n, as in jax
+        k_BxNxSxK.transpose(0, 2, 1, 3).astype(dt),  # [B, S, N, K]
+        v_BxNxSxK.transpose(0, 2, 1, 3).astype(dt),
+        mask=mask_BxTxS[:, None],
+        implementation=implementation,
+    )
+    return out.reshape(b, t, n, g, kd)
+
+
 def causal_blocks(t: int, query_offset: int = 0) -> list[tuple[int, int, int]]:
     """(first query, end query, keys attended) of each causal block of `attention` for T = t
     queries at key positions offset .. offset + t - 1 (one block below 2 * MIN_CAUSAL_BLOCK):

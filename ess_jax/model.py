@@ -25,7 +25,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from ess_jax.layers import apply_rope, attention, dense, rms_norm, rope_inv_freq
+from ess_jax.config_checks import ATTENTION_IMPLS
+from ess_jax.layers import (
+    apply_rope,
+    attention,
+    dense,
+    fused_attention,
+    rms_norm,
+    rope_inv_freq,
+)
 from ess_jax.sharding import BATCH
 
 Params = dict[str, Any]
@@ -58,6 +66,18 @@ class ModelConfig:
     logits_chunk: int = 0
     # recompute each block in the backward pass (keeps only the [B, T, D] block inputs)
     remat: bool = False
+    # attention of the several-query forwards (training, the prefill; decode steps always use
+    # layers.attention's one-query path): "einsum" (layers.attention, any backend), "cudnn"
+    # (jax.nn.dot_product_attention's fused kernel: NVIDIA GPUs, bf16) or "xla" (jax's
+    # reference path of the same call; layers.fused_attention)
+    attention_impl: str = "einsum"
+
+    def __post_init__(self):
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"ModelConfig.attention_impl: unknown {self.attention_impl!r}; "
+                f"one of {', '.join(ATTENTION_IMPLS)}"
+            )
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -151,7 +171,15 @@ class Attention(nnx.Module):
         b, _, h, kd = q.shape
         n = k_all.shape[1]
         q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
-        out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk, offset)
+        if t > 1 and (
+            cfg.attention_impl == "xla"
+            # cuDNN's kernel has no float32: float32 forwards (a float32 sampler) use einsum
+            or (cfg.attention_impl == "cudnn" and dt in (jnp.bfloat16, jnp.float16))
+        ):
+            impl = cfg.attention_impl
+            out = fused_attention(q, k_all, v_all, kv_mask_BxS, query_idx, impl)
+        else:
+            out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk, offset)
         out = out.reshape(b, t, h, kd)
         return dense(out, self.o[...].astype(dt), n_in=2), new_cache
 

@@ -75,8 +75,9 @@ def smoke():
 
 def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
     """Catches a part that crashed or measured nothing (a missing or non-positive figure), a
-    headline wired to the wrong measurement (recomputed here from the recorded times), and a
-    recompilation inside the timed loops."""
+    headline wired to the wrong measurement (recomputed here from the recorded times), a
+    recompilation inside the timed loops, and the fused-attention step not running the fused
+    path (off the GPU its "xla" twin, whose first loss equals einsum's to float rounding)."""
     s = bench_gpu.TINY
     assert smoke["rc"] == 0
     head, jx, th = smoke["headline"], smoke["details"]["jax"], smoke["details"]["torch"]
@@ -90,11 +91,16 @@ def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
         "bf16_ceiling_tflops",
     ):
         assert math.isfinite(head[key]) and head[key] > 0, (key, head[key])
-    assert set(jx["train"]) == {"p3o", "grpo"} and set(th["train"]) == {"torch_eager"}
+    assert set(jx["train"]) == {"p3o", "grpo", "p3o_fused"}
+    assert set(th["train"]) == {"torch_eager"}
+    assert jx["train"]["p3o_fused"]["attention_impl"] == "xla"
+    assert np.isclose(jx["train"]["p3o_fused"]["loss"], jx["train"]["p3o"]["loss"], rtol=1e-2)
+    fused = np.median(jx["train"]["p3o_fused"]["seconds"])
     assert all(v["finite"] and v["compiles_while_timed"] == [] for v in jx["train"].values())
     assert jx["decode"]["4"]["compiles_while_timed"] == []
     p3o, grpo = (np.median(jx["train"][k]["seconds"]) for k in ("p3o", "grpo"))
     assert np.isclose(head["ess_overhead"], p3o / grpo - 1)
+    assert np.isclose(head["fused_attention_speedup"], p3o / fused)
     assert np.isclose(
         head["train_vs_torch"], np.median(th["train"]["torch_eager"]["seconds"]) / p3o
     )
@@ -105,6 +111,7 @@ def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
     hstep = np.median([r[f"decode@{s.gen}"] for r in th["decode"]["4"]["rounds"]]) / (s.gen - 1)
     assert np.isclose(head["decode_vs_hf_b4"], hstep / step)
     assert "| ess_jax train over best torch peer |" in smoke["markdown"]
+    assert "| P3O step, einsum attention over xla (above 1: fused faster) |" in smoke["markdown"]
     assert "a tiny smoke model" in smoke["markdown"]
 
 

@@ -13,6 +13,8 @@ writes the report. Per side:
   2. the train step (forward + backward + AdamW, P3O; GRPO too for the ESS overhead):
      float32 master weights, bfloat16 compute (ess_jax: ModelConfig.dtype; torch: autocast),
      tokens/s and MFU = train_flops / s / the measured bf16 ceiling (bench_common's FLOP model);
+     and the P3O step again with model.attention_impl "cudnn" (jax.nn.dot_product_attention's
+     fused kernel) against the einsum attention (section train_fused);
   3. sampling at batch 32 (temperature 1, whole vocabulary, no stop token, L new tokens from
      left-padded prompts): ess_jax's sampler in its "bfloat16" precision against `generate`
      on a bfloat16 copy of the model; decode ms/step against the bandwidth floor = (bf16
@@ -87,9 +89,19 @@ TINY = dataclasses.replace(
 )
 H200_DATASHEET = {"bf16_tflops": 989.0, "hbm_gbps": 4800.0}  # dense, SXM (a lead, not measured)
 COPY_BYTES = 2**31
-# jax part: train (P3O), decode (sampler), grpo; torch part: torch_train (eager), generate,
-# torch_compile. grpo and torch_compile are optional: by default they run if time is left.
-SECTIONS = ("train", "decode", "grpo", "torch_train", "generate", "torch_compile")
+# jax part: train (P3O), decode (sampler), grpo, train_fused (P3O with attention_impl "cudnn";
+# "xla" off the GPU, for the smoke run); torch part: torch_train (eager), generate,
+# torch_compile. grpo, train_fused and torch_compile are optional: by default they run if time
+# is left.
+SECTIONS = (
+    "train",
+    "decode",
+    "grpo",
+    "train_fused",
+    "torch_train",
+    "generate",
+    "torch_compile",
+)
 
 
 def say(msg: str) -> None:
@@ -182,21 +194,24 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
     batch = train_batch(s)
     res["train"] = {}
 
-    def train(obj):
-        say(f"train step {obj}: {s.train_batch} x {s.train_seq} tokens (compiling)")
+    def train(obj, impl="einsum"):
+        name = obj if impl == "einsum" else f"{obj}_fused"
+        say(f"train step {name}: {s.train_batch} x {s.train_seq} tokens (compiling)")
         t0 = time.perf_counter()
-        step, losses = jax_trainer(cfg, params, mesh, batch, objective=obj)
+        run_cfg = cfg.replace(attention_impl=impl)
+        step, losses = jax_trainer(run_cfg, params, mesh, batch, objective=obj)
         step()
         compile_s = time.perf_counter() - t0
         times, compiles = timed(step, s.warmup, s.repeats)
-        res["train"][obj] = {
+        res["train"][name] = {
             "seconds": times,
             "first_step_s": compile_s,
             "loss": losses[0],
             "finite": all(math.isfinite(v) for v in losses),
             "compiles_while_timed": compiles,
+            "attention_impl": impl,
         }
-        say(f"  {obj}: {median(times) * 1e3:.1f} ms/step, loss {losses[0]:.4f}")
+        say(f"  {name}: {median(times) * 1e3:.1f} ms/step, loss {losses[0]:.4f}")
         save(res)
 
     if "train" in sections:  # then the sampler, then (time allowing) GRPO for the ESS overhead
@@ -226,6 +241,10 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
         train("grpo")
     else:
         say(f"skipping the GRPO train step: {left():.0f} s left")
+    if wanted(sections, "train_fused", left() > 0.4 * budget):  # cuDNN attention vs einsum
+        train("p3o", "cudnn" if jax.devices()[0].platform == "gpu" else "xla")
+    else:
+        say(f"skipping the fused-attention train step: {left():.0f} s left")
     return res
 
 
@@ -332,6 +351,8 @@ def summarize(s: Sizes, jx: dict, th: dict) -> dict:
         out["train_vs_torch"] = min(peers) / train["p3o"]
     if "p3o" in train and "grpo" in train:
         out["ess_overhead"] = train["p3o"] / train["grpo"] - 1
+    if "p3o" in train and "p3o_fused" in train:  # above 1: the fused attention is faster
+        out["fused_attention_speedup"] = train["p3o"] / train["p3o_fused"]
     for b in s.decode_batches:
         jd, hd = jx.get("decode", {}).get(str(b)), th.get("decode", {}).get(str(b))
         if jd:
@@ -359,6 +380,7 @@ def report_md(s: Sizes, jx: dict, th: dict, head: dict, command: str) -> str:
     name = "a tiny smoke model" if s == TINY else "Qwen2.5-1.5B's dimensions"
     decodes = jx.get("decode", {}).items()
     b = s.decode_batches[-1]
+    fused = jx.get("train", {}).get("p3o_fused", {}).get("attention_impl", "the fused kernel")
     lines = [
         "# GPU benchmark (tools/bench_gpu.py)",
         "",
@@ -382,6 +404,8 @@ def report_md(s: Sizes, jx: dict, th: dict, head: dict, command: str) -> str:
         f"{f('train_torch_compile_mfu', '.1%')} |",
         f"| ess_jax train over best torch peer | {f('train_vs_torch', '.2f')}x |",
         f"| ESS overhead, P3O over GRPO step - 1 | {f('ess_overhead', '+.1%')} |",
+        f"| P3O step, einsum attention over {fused} (above 1: fused faster) "
+        f"| {f('fused_attention_speedup', '.2f')}x |",
         f"| decode batch {b}, ess_jax (ms/step, tok/s) | {f(f'decode_b{b}_ms', '.2f')}, "
         f"{f(f'decode_b{b}_tok_s', ',.0f')} |",
         f"| decode bandwidth floor (ms/step) and fraction reached "

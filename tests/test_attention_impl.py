@@ -1,0 +1,156 @@
+"""`model.attention_impl`: the several-query forwards through jax.nn.dot_product_attention
+(layers.fused_attention) give layers.attention's numbers, and the settings that cannot run
+are refused by name. "xla" is the CPU-testable twin of "cudnn" (same call, same layouts, mask
+and head grouping; only jax's `implementation` argument differs), whose speed and numbers
+are a GPU run's to measure (tools/bench_gpu.py, section train_cudnn)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import quickstart
+from ess_jax import config_checks, experiment, layers, model, sampler, scoring
+from ess_jax.config_checks import ConfigError
+
+# GQA with 2 query heads per kv head and Qwen2's q/k/v biases: a wrong head grouping or a
+# dropped bias changes the numbers
+CFG = model.ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qkv_bias=True,
+    family="qwen2",
+)
+
+
+def _batch(seed):
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, 96, (3, 21)), jnp.int32)
+    # left pads (fully masked query rows), a right-padded row, a full row
+    mask = jnp.ones((3, 21), bool).at[0, :5].set(False).at[2, 17:].set(False)
+    return rng, tokens, mask
+
+
+def _random_qkv_biases(params, seed):
+    """init_params zeroes the q/k/v biases; random ones make a dropped bias visible."""
+    rng = np.random.default_rng(seed)
+
+    def fill(path, x):
+        name = jax.tree_util.keystr(path)
+        if name.endswith("_bias']"):
+            return jnp.asarray(rng.normal(size=x.shape), x.dtype)
+        return x
+
+    return jax.tree_util.tree_map_with_path(fill, params)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-6), ("bfloat16", 3e-2)])
+def test_xla_fused_attention_matches_einsum_log_probs_and_gradients(dtype, tol):
+    """Catches, in fused_attention: query heads grouped with the wrong kv head (n * g + j vs
+    j * n + g), the causal or padding mask transposed or dropped, keys not moved to jax's
+    [B, S, N, K] layout, and pad query rows turning NaN (their gradients would poison every
+    weight). Float32 agrees to rounding; bfloat16 to its own rounding."""
+    cfg = CFG.replace(dtype=dtype)
+    params = _random_qkv_biases(model.init_params(cfg, 0), 1)
+    rng, tokens, mask = _batch(0)
+    fused = cfg.replace(attention_impl="xla")
+
+    lp = jax.jit(lambda p: scoring.token_logprobs(cfg, p, tokens, mask))(params)
+    lp_f = jax.jit(lambda p: scoring.token_logprobs(fused, p, tokens, mask))(params)
+    assert np.isfinite(np.asarray(lp_f)).all()
+    np.testing.assert_allclose(lp_f, lp, rtol=tol, atol=tol)
+    assert float(jnp.abs(lp).sum()) > 1.0  # not vacuous
+
+    w = jnp.asarray(rng.normal(size=tokens.shape), jnp.float32)
+    loss = lambda c: lambda p: jnp.sum(w * scoring.token_logprobs(c, p, tokens, mask))
+    g = jax.jit(jax.grad(loss(cfg)))(params)
+    g_f = jax.jit(jax.grad(loss(fused)))(params)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_f)):
+        assert np.isfinite(np.asarray(b)).all()
+        scale = max(1.0, float(jnp.abs(a).max()))
+        np.testing.assert_allclose(b, a, rtol=tol, atol=tol * scale)
+
+
+def test_fused_attention_layer_against_float64_numpy():
+    """The layer alone against a float64 numpy softmax attention written from the definition
+    (causal, key padding, GQA), so both paths are not only equal to each other."""
+    rng = np.random.default_rng(3)
+    b, t, n, g, kd = 2, 6, 2, 2, 4
+    q = rng.normal(size=(b, t, n, g, kd))
+    k = rng.normal(size=(b, n, t, kd))
+    v = rng.normal(size=(b, n, t, kd))
+    kv_mask = np.ones((b, t), bool)
+    kv_mask[1, :2] = False
+    out = layers.fused_attention(
+        *(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+        jnp.asarray(kv_mask),
+        jnp.arange(t),
+        "xla",
+    )
+    want = np.zeros_like(q)
+    for bi in range(b):
+        for i in range(t):
+            keys = [s for s in range(i + 1) if kv_mask[bi, s]]
+            if not keys:
+                continue  # a pad query: any finite value
+            for ni in range(n):
+                for gi in range(g):
+                    s = np.array([q[bi, i, ni, gi] @ k[bi, ni, j] for j in keys]) / np.sqrt(kd)
+                    p = np.exp(s - s.max())
+                    want[bi, i, ni, gi] = (p / p.sum()) @ v[bi, ni, keys]
+    out = np.asarray(out)
+    assert np.isfinite(out).all()
+    real = kv_mask[:, :, None, None, None].repeat(n, 2).repeat(g, 3).repeat(kd, 4)
+    np.testing.assert_allclose(out[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_sampler_prefill_through_fused_attention_draws_the_same_tokens():
+    """The sampler's prefill (keys read back from the preallocated cache, attended over the
+    prompt only) through the fused path: same tokens and behaviour log-probs as einsum's.
+    Decode steps keep the one-query path, so a difference would come from the prefill (a
+    causal mask dropped in fused_attention, planted, fails here too)."""
+    params = _random_qkv_biases(model.init_params(CFG, 1), 2)
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(3, 96, (2, 20)).astype(np.int32)
+    mask = np.ones((2, 20), bool)
+    mask[0, :6] = False
+    sc = sampler.SamplingConfig(max_new_tokens=6, num_samples=2, stop_ids=())
+    key = jax.random.key(0)
+    a = sampler.sample(CFG, params, prompts, mask, sc, key)
+    b = sampler.sample(CFG.replace(attention_impl="xla"), params, prompts, mask, sc, key)
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_allclose(b.behaviour_logp, a.behaviour_logp, atol=1e-5)
+    assert float(np.abs(np.asarray(a.behaviour_logp)).sum()) > 0
+
+
+def test_unknown_attention_impl_is_refused_by_name():
+    """A misspelt implementation silently running the einsum path would make a GPU bench of
+    'flash' measure the default."""
+    with pytest.raises(ValueError, match=r"attention_impl: unknown 'flash'; one of einsum"):
+        CFG.replace(attention_impl="flash")
+    c = quickstart.get_config("tiny")
+    c.model.attention_impl = "flash"
+    with pytest.raises(ConfigError, match=r"^config\.model\.attention_impl: must be one of"):
+        config_checks.check(c)
+
+
+def test_cudnn_is_refused_off_the_gpu_and_in_float32(monkeypatch):
+    """cuDNN's kernel exists on NVIDIA GPUs only and has no float32: a run asking for it on
+    the CPU must say so before compiling, not fail inside XLA; in float32 on a GPU it would
+    silently run the einsum path for the whole run."""
+    c = quickstart.get_config("tiny")
+    c.model.attention_impl = "cudnn"
+    c.model.dtype = "bfloat16"
+    msg = r"^config\.model\.attention_impl: 'cudnn' runs on NVIDIA GPUs only; this run's backend"
+    with pytest.raises(ConfigError, match=msg + r" is 'cpu'"):
+        experiment.validate(c)
+    monkeypatch.setattr(experiment.jax, "default_backend", lambda: "gpu")
+    experiment.validate(c)  # bfloat16 on a GPU: accepted
+    c.model.dtype = "float32"
+    with pytest.raises(ConfigError, match=r"'cudnn' needs model.dtype 'bfloat16', got 'float32'"):
+        experiment.validate(c)
