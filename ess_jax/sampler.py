@@ -24,13 +24,13 @@ Sampler precision (`sample(..., precision=)`): "float32", "bfloat16" or "fp8" (s
 precision.py); the low-precision modes reproduce the train/inference mismatch of the paper's
 FP8-rollout experiment.
 
-Cost and compilation: prompts are left-padded further to a power-of-two bucket; the KV
-cache (bucket + max_new_tokens) is allocated once at prefill and updated in place. The prefill
-attends over the prompt only, and decode runs in up to 4 segments (`decode_bounds`), each
-attending over the prompt and the response positions its bound allows, so a step costs what is
-filled (within 2x), not the whole budget. Temperature / top_p are traced, so a run compiles one
-prefill and <= 4 decode programs per (model, batch, bucket, max_new_tokens, num_samples, top_k,
-stop_ids, precision, mesh).
+Cost and compilation (the programs: decode.py): prompts are left-padded further to a
+power-of-two bucket. The prefill attends over the prompt only, and decode runs in up to 4
+segments (`decode_bounds`), each attending over the prompt and the response positions its
+bound allows, so a step costs what is filled (within 2x), not the whole budget; the KV cache
+is updated in place and grows once per segment. Temperature / top_p are traced, so a run
+compiles one prefill and <= 4 decode programs per (model, batch, bucket, max_new_tokens,
+num_samples, top_k, stop_ids, precision, mesh).
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from ess_jax import draw as draw_lib
+from ess_jax import decode as decode_lib
 from ess_jax import layouts, model
 from ess_jax import precision as precision_lib
 from ess_jax import sharding as shd
+from ess_jax.decode import decode_bounds  # noqa: F401  (re-exported: part of the API)
 
 _MIN_BUCKET = 16
 
@@ -90,201 +91,16 @@ class SampleOutput:
     sequence_mask: jax.Array  # [B, P+T] bool: what the trainer teacher-forces on
 
 
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything that changes the compiled program (the compile-cache key)."""
-
-    max_new_tokens: int
-    num_samples: int
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-    stop_ids: tuple[int, ...]
-    pad_id: int
-
-
-@struct.dataclass
-class _DecodeState:
-    step: jax.Array  # int32 scalar: the next response column to fill
-    tokens: jax.Array  # [B, T]
-    mask: jax.Array  # [B, T]
-    behaviour_logp: jax.Array
-    raw_logp: jax.Array
-    log_kept_mass: jax.Array
-    done: jax.Array  # [B]: emitted a stop token
-    positions: jax.Array  # [B]: RoPE position of the last sampled token
-    cache: list
-    kv_mask: jax.Array  # [B, S]
-    rng: jax.Array
-
-
 def bucket_length(p: int) -> int:
     """Prompt width after bucketing: the next power of two, at least 16."""
     return max(_MIN_BUCKET, 1 << max(p - 1, 0).bit_length())
 
 
-# ----------------------------------------------------------------------------- jitted parts
-
-
-def _constrain(tree, mesh: Mesh | None, logical):
-    if mesh is None or mesh.size == 1:
-        return tree
-
-    def one(x, names):
-        spec = shd.logical_to_spec(names[: x.ndim], x.shape, mesh, shd.SAMPLE_RULES)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-    return jax.tree.map(lambda x: one(x, logical), tree)
-
-
-def _constrain_state(s: _DecodeState, mesh) -> _DecodeState:
-    rows = ("batch", None)
-    return s.replace(
-        tokens=_constrain(s.tokens, mesh, rows),
-        mask=_constrain(s.mask, mesh, rows),
-        behaviour_logp=_constrain(s.behaviour_logp, mesh, rows),
-        raw_logp=_constrain(s.raw_logp, mesh, rows),
-        log_kept_mass=_constrain(s.log_kept_mass, mesh, rows),
-        done=_constrain(s.done, mesh, rows),
-        positions=_constrain(s.positions, mesh, rows),
-        kv_mask=_constrain(s.kv_mask, mesh, rows),
-        cache=_constrain(s.cache, mesh, ("batch", "kv_heads", None, "head_dim")),
-    )
-
-
-def _write(s: _DecodeState, col, tok, blp, rlp, lkm, active, st: _Static) -> _DecodeState:
-    def put(buf, val, fill):
-        return jax.lax.dynamic_update_slice_in_dim(
-            buf, jnp.where(active, val, fill).astype(buf.dtype)[:, None], col, axis=1
-        )
-
-    stop = jnp.isin(tok, jnp.asarray(st.stop_ids, jnp.int32)) if st.stop_ids else False
-    return s.replace(
-        tokens=put(s.tokens, tok, st.pad_id),
-        mask=put(s.mask, active, False),
-        behaviour_logp=put(s.behaviour_logp, blp, 0.0),
-        raw_logp=put(s.raw_logp, rlp, 0.0),
-        log_kept_mass=put(s.log_kept_mass, lkm, 0.0),
-        done=s.done | (active & stop),
-    )
-
-
-def _st_draw(logits_BxV, key, temperature, top_p, st: _Static):
-    return draw_lib.draw(
-        logits_BxV,
-        key,
-        temperature,
-        top_p,
-        greedy=st.greedy,
-        top_k=st.top_k,
-        use_top_p=st.use_top_p,
-    )
-
-
-def decode_bounds(max_new_tokens: int) -> tuple[int, ...]:
-    """Response lengths at which a decode segment ends: T/8, T/4, T/2, T (none below 32).
-
-    Segment j attends over the prompt and the first bounds[j] response positions of the cache
-    only, so a step's attention costs at most twice what is filled (the whole cache is
-    allocated once, at prefill, and never copied). At most 4 decode programs per static
-    configuration; T <= 32 is one segment.
-    """
-    t = max_new_tokens
-    return tuple(sorted({max(min(t, 32), t >> k) for k in range(4)}))
-
-
-def _prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, mesh):
-    """Prompt forward on the B unique prompts, repeat n times, draw response token 0.
-
-    The cache is allocated at its full length (prompt + T) here, but attention runs over the
-    prompt only: the cost is the prompt's, whatever the generation budget."""
-    params = precision_lib.dequantize(params)
-    b, p = prompts_BxP.shape
-    t, n = st.max_new_tokens, st.num_samples
-    kv_mask = jnp.concatenate([mask_BxP, jnp.ones((b, t), bool)], axis=1)
-    positions = model.positions_from_mask(mask_BxP)
-    module = model.bind(cfg, params)
-    x, cache = module.hidden(
-        cfg, prompts_BxP, positions, kv_mask, model.init_cache(cfg, b, p + t), 0, attend_len=p
-    )
-    logits = module.logits(cfg, x[:, -1:])  # the last position only: no [B, P, V] logits
-    rep = functools.partial(jnp.repeat, repeats=n, axis=0)  # sample j of prompt i: row i*n+j
-    zeros = jnp.zeros((b * n, t), jnp.float32)
-    s = _DecodeState(
-        step=jnp.ones((), jnp.int32),
-        tokens=jnp.full((b * n, t), st.pad_id, jnp.int32),
-        mask=jnp.zeros((b * n, t), bool),
-        behaviour_logp=zeros,
-        raw_logp=zeros,
-        log_kept_mass=zeros,
-        done=jnp.zeros((b * n,), bool),
-        positions=rep(positions[:, -1]) + 1,
-        cache=jax.tree.map(rep, cache),
-        kv_mask=rep(kv_mask),
-        rng=rng,
-    )
-    s = _constrain_state(s, mesh)
-    # gather the vocab before repeating: vocab-sharded -> row-sharded has no cheap path
-    last = _constrain(logits[:, -1], mesh, ("batch", None))
-    last = _constrain(rep(last), mesh, ("batch", None))
-    tok, blp, rlp, lkm = _st_draw(last, jax.random.fold_in(rng, 0), temperature, top_p, st)
-    return _write(s, 0, tok, blp, rlp, lkm, jnp.ones((b * n,), bool), st)
-
-
-def _decode_segment(params, s: _DecodeState, temperature, top_p, *, bound, cfg, st, mesh):
-    """Draw response tokens up to (not including) column `bound`, stopping early once every
-    row has emitted a stop id; attention reads the prompt and `bound` response positions."""
-    prompt_width = s.kv_mask.shape[1] - st.max_new_tokens
-
-    def cond(s):
-        return (s.step < bound) & ~jnp.all(s.done)
-
-    def body(s):
-        prev = jax.lax.dynamic_index_in_dim(s.tokens, s.step - 1, axis=1, keepdims=True)
-        logits, cache = model.forward(
-            cfg,
-            precision_lib.dequantize(params),
-            prev,
-            s.positions[:, None],
-            s.kv_mask,
-            s.cache,
-            prompt_width + s.step - 1,
-            attend_len=prompt_width + bound,
-        )
-        logits = _constrain(logits[:, 0], mesh, ("batch", None))  # whole vocab rows per device
-        key = jax.random.fold_in(s.rng, s.step)
-        tok, blp, rlp, lkm = _st_draw(logits, key, temperature, top_p, st)
-        s = _write(s.replace(cache=cache), s.step, tok, blp, rlp, lkm, ~s.done, st)
-        return _constrain_state(s.replace(step=s.step + 1, positions=s.positions + 1), mesh)
-
-    return jax.lax.while_loop(cond, body, s)
-
-
-class _Decode:
-    """Draws response tokens 1..T-1: one jitted, state-donating while loop per segment of
-    `decode_bounds` (each segment's loop exits at once if every row has stopped)."""
-
-    def __init__(self, cfg, st, mesh):
-        kw = dict(cfg=cfg, st=st, mesh=mesh)
-        self.segments = [
-            jax.jit(functools.partial(_decode_segment, bound=b, **kw), donate_argnums=(1,))
-            for b in decode_bounds(st.max_new_tokens)
-        ]
-
-    def __call__(self, params, s: _DecodeState, temperature, top_p) -> _DecodeState:
-        for segment in self.segments:
-            s = segment(params, s, temperature, top_p)
-        return s
-
-    def cache_size(self) -> int:
-        return sum(f._cache_size() for f in self.segments)
-
-
 @functools.lru_cache(maxsize=32)
-def _compiled(cfg: model.ModelConfig, st: _Static, mesh: Mesh | None):
+def _compiled(cfg: model.ModelConfig, st: decode_lib.Static, mesh: Mesh | None):
     """(prefill, decode) for one static configuration; jit caches per shape."""
-    prefill = jax.jit(functools.partial(_prefill, cfg=cfg, st=st, mesh=mesh))
-    return prefill, _Decode(cfg, st, mesh)
+    prefill = jax.jit(functools.partial(decode_lib.prefill, cfg=cfg, st=st, mesh=mesh))
+    return prefill, decode_lib.Decode(cfg, st, mesh)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -357,7 +173,7 @@ def sample(
     if stop_ids is None:
         eos = cfg.eos_token_id
         stop_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    st = _Static(
+    st = decode_lib.Static(
         max_new_tokens=sampling.max_new_tokens,
         num_samples=sampling.num_samples,
         greedy=sampling.temperature == 0,

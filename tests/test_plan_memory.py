@@ -116,6 +116,7 @@ def _sample_case(case):
     import jax
     import jax.numpy as jnp
 
+    from ess_jax import decode as decode_lib
     from ess_jax import layouts, memory, model, sampler, sharding
     from ess_jax import precision as precision_lib
 
@@ -132,7 +133,7 @@ def _sample_case(case):
         )
     if precision != "float32":
         params = jax.eval_shape(precision_lib.prepare_fn(precision), params)
-    st = sampler._Static(max_new_tokens=case["new"], num_samples=case["samples"], greedy=False,
+    st = decode_lib.Static(max_new_tokens=case["new"], num_samples=case["samples"], greedy=False,
                          top_k=0, use_top_p=False, stop_ids=(), pad_id=0)  # fmt: skip
     prefill, decode = sampler._compiled(scfg, st, mesh)
     shape = (case["prompts"], case["prompt"])
@@ -147,7 +148,13 @@ def _sample_case(case):
         state,
         compiled.output_shardings,
     )
-    # the last segment attends over the whole cache: the largest of the decode programs
+    # the last segment attends over the whole cache: the largest of the decode programs; its
+    # cache has the whole length (grown between segments; the prefill's has the first's)
+    full = case["prompt"] + case["new"]
+    grown = lambda x: jax.ShapeDtypeStruct(
+        (*x.shape[:2], full, x.shape[3]), x.dtype, sharding=x.sharding
+    )
+    state = state.replace(cache=jax.tree.map(grown, state.cache))
     xla_decode = _xla_total(decode.segments[-1].lower(params, state, *args[1:]).compile())
     amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": n_dev}, n_dev))
     terms = memory.sampler_terms(

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from bench_common import Sizes, left_padded_prompts, median, time_round_robin
 
+from ess_jax import decode as decode_lib
 from ess_jax import sampler
 
 
@@ -27,7 +28,7 @@ def jax_runner(cfg, params, prompts, mask, n: int, mode: str):
     pb = sampler.bucket_length(p)
     toks = jnp.pad(jnp.asarray(prompts), ((0, 0), (pb - p, 0)))
     msk = jnp.pad(jnp.asarray(mask), ((0, 0), (pb - p, 0)))
-    st = sampler._Static(
+    st = decode_lib.Static(
         max_new_tokens=n,
         num_samples=1,
         greedy=mode == "greedy",

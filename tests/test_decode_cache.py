@@ -1,0 +1,101 @@
+"""The sampler's KV cache across decode segments (ess_jax/decode.py): no copy of the cache in
+any compiled decode loop, the cache grown a layer at a time between segments, and a segment
+refusing a cache of the wrong length. (That the grown cache carries the right keys is
+test_sampler's: a two-segment generation equals teacher forcing.)"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ess_jax import decode, model, sampler
+
+CFG = model.ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+)
+B, P, T = 4, 16, 128  # decode_bounds(128) = (32, 64, 128): three segments, two grows
+ONE = jnp.float32(1.0)
+
+
+def _prefilled():
+    st = decode.Static(
+        max_new_tokens=T,
+        num_samples=1,
+        greedy=False,
+        top_k=0,
+        use_top_p=False,
+        stop_ids=(),
+        pad_id=0,
+    )
+    prefill, dec = sampler._compiled(CFG, st, None)
+    params = model.init_params(CFG, 0)
+    toks = jnp.asarray(np.random.default_rng(0).integers(1, 96, (B, P)), jnp.int32)
+    s = prefill(params, toks, jnp.ones((B, P), bool), jax.random.key(0), ONE, ONE)
+    return params, s, dec
+
+
+def test_compiled_decode_loops_never_copy_the_cache():
+    """Catches a decode step that copies the KV cache: with the cache allocated at its full
+    length and each segment attending over a slice of it, XLA fused the slice with the
+    step's write and copied the whole cache twice per layer and step in every segment but
+    the last (planted: 12 copies in each of the first two segments here; 54-61 vs 25-30 ms
+    per step on tools/bench.py's model)."""
+    params, s, dec = _prefilled()
+    assert dec.bounds == (32, 64, 128)
+    for bound, segment in zip(dec.bounds, dec.segments):
+        if s.cache[0]["k"].shape[2] < P + bound:
+            cache, s = s.cache, s.replace(cache=[])
+            s = s.replace(cache=dec.grow(cache, P + bound))
+        hlo = segment.lower(params, s, ONE, ONE).compile().as_text()
+        length = s.cache[0]["k"].shape[2]
+        assert f"f32[{B},{CFG.num_kv_heads},{length},{CFG.head_dim}]" in hlo  # not vacuous
+        # a copy of anything shaped like K or V of some positions
+        shape = rf"f32\[{B},{CFG.num_kv_heads},\d+,{CFG.head_dim}\]"
+        copies = re.findall(rf"= {shape}\{{[0-9,]*\}} copy\(", hlo)
+        assert copies == [], f"segment to {bound}: {len(copies)} copies of the KV cache"
+        s = segment(params, s, ONE, ONE)
+    assert int(s.step) == T and bool(s.mask.all())
+
+
+def test_cache_grows_one_layer_at_a_time():
+    """Catches a grow that keeps every old layer alive until all are padded (the peak would be
+    the old cache plus the new one, ~1.5x the final cache at the last grow): when layer i is
+    padded, only layers i.. of the old length may still be live."""
+    params, s, dec = _prefilled()
+    s = dec.segments[0](params, s, ONE, ONE)
+    old = s.cache[0]["k"].shape
+    live = []
+    pad = dec.grow_layer
+
+    def counting(layer, length):
+        live.append(sum(1 for a in jax.live_arrays() if a.shape == old))
+        return pad(layer, length)
+
+    dec.grow_layer = counting
+    try:
+        cache, s = s.cache, s.replace(cache=[])
+        s = s.replace(cache=dec.grow(cache, P + 64))
+    finally:
+        dec.grow_layer = pad
+    del cache
+    assert live == [2 * (CFG.num_layers - i) for i in range(CFG.num_layers)], live
+    assert all(layer["k"].shape[2] == P + 64 for layer in s.cache)
+    assert not any(a.shape == old for a in jax.live_arrays())
+
+
+def test_segment_refuses_a_cache_of_the_wrong_length():
+    """A segment handed a cache that was not grown (a caller skipping Decode) must say so, not
+    fail on a broadcast deep in the attention."""
+    params, s, dec = _prefilled()
+    s = dec.segments[0](params, s, ONE, ONE)
+    msg = r"decode segment to 64: the KV cache holds 48 positions, not the prompt's 16 \+ 64"
+    with pytest.raises(ValueError, match=msg):
+        dec.segments[1](params, s, ONE, ONE)
