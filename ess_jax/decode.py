@@ -212,8 +212,9 @@ class Decode:
     over a slice of a cache allocated at full length instead made XLA fuse the slice with the
     write, read the old buffer and so copy the whole cache twice per layer and step
     (tools/bench.py's model, batch 32, 64 + 256 positions: 54-61 ms per step in the first
-    three segments against 36 in the last, which attends over more keys; 25-29 with the
-    growing cache; tests/test_decode_cache.py checks the compiled loops for copies)."""
+    three segments against 36 in the last, which attends over more keys; 25-30 with the
+    growing cache; tests/test_decode_cache.py checks the compiled loops for copies, on CPU).
+    Once every row has stopped, the remaining segments (and their grows) are skipped."""
 
     def __init__(self, cfg, st, mesh):
         kw = dict(cfg=cfg, st=st, mesh=mesh)
@@ -235,7 +236,9 @@ class Decode:
 
     def __call__(self, params, s: DecodeState, temperature, top_p) -> DecodeState:
         prompt_width = s.kv_mask.shape[1] - self.max_new_tokens
-        for bound, segment in zip(self.bounds, self.segments):
+        for j, (bound, segment) in enumerate(zip(self.bounds, self.segments)):
+            if j and bool(jnp.all(s.done)):  # every row stopped: nothing left to draw
+                break
             if s.cache[0]["k"].shape[2] < prompt_width + bound:
                 cache, s = s.cache, s.replace(cache=[])  # `cache`: the only reference left
                 s = s.replace(cache=self.grow(cache, prompt_width + bound))
@@ -243,4 +246,4 @@ class Decode:
         return s
 
     def cache_size(self) -> int:
-        return sum(f._cache_size() for f in self.segments)
+        return sum(f._cache_size() for f in self.segments) + self.grow_layer._cache_size()

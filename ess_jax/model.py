@@ -155,7 +155,7 @@ class Attention(nnx.Module):
         offset = cache_index if isinstance(cache_index, int) else None
         if cache is None:  # full-sequence forward: keys are this call's tokens
             k_all, v_all, new_cache, query_idx, offset = k, v, None, jnp.arange(t), 0
-        else:  # write this call's keys into the fixed-length cache
+        else:  # write this call's keys into the cache, in place
             k_all = jax.lax.dynamic_update_slice_in_dim(
                 cache["k"], k.astype(cache["k"].dtype), cache_index, axis=2
             )
@@ -173,11 +173,12 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
         if t > 1 and (
             cfg.attention_impl == "xla"
-            # cuDNN's kernel has no float32: float32 forwards (a float32 sampler) use einsum
-            or (cfg.attention_impl == "cudnn" and dt in (jnp.bfloat16, jnp.float16))
+            # the cuDNN path is bfloat16 only: float32 forwards (a float32 sampler) use einsum
+            or (cfg.attention_impl == "cudnn" and dt == jnp.bfloat16)
         ):
+            causal = offset == 0 and t == k_all.shape[2]  # queries = key positions 0 .. t - 1
             impl = cfg.attention_impl
-            out = fused_attention(q, k_all, v_all, kv_mask_BxS, query_idx, impl)
+            out = fused_attention(q, k_all, v_all, kv_mask_BxS, query_idx, impl, causal)
         else:
             out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk, offset)
         out = out.reshape(b, t, h, kd)
@@ -254,8 +255,9 @@ class Decoder(nnx.Module):
         """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache.
 
         With a cache, `attend_len` (a static int) limits attention to the first `attend_len`
-        cache positions (they must hold every key the queries may see): the cost of a step then
-        follows what is filled, not the cache's full length."""
+        cache positions (they must hold every key the queries may see): the sampler's prefill
+        attends over the prompt only. Not for decode loops: sliced after the in-place write,
+        the cache is copied at every step (decode.Decode grows the cache per segment instead)."""
         x = shard_rows(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype))
         new_cache = []
         for i, layer in enumerate(self.layers):

@@ -28,7 +28,7 @@ Cost and compilation (the programs: decode.py): prompts are left-padded further 
 power-of-two bucket. The prefill attends over the prompt only, and decode runs in up to 4
 segments (`decode_bounds`), each attending over the prompt and the response positions its
 bound allows, so a step costs what is filled (within 2x), not the whole budget; the KV cache
-is updated in place and grows once per segment. Temperature / top_p are traced, so a run
+is updated in place and zero-padded between segments. Temperature / top_p are traced, so a run
 compiles one prefill and <= 4 decode programs per (model, batch, bucket, max_new_tokens,
 num_samples, top_k, stop_ids, precision, mesh).
 """

@@ -2,7 +2,7 @@
 (layers.fused_attention) give layers.attention's numbers, and the settings that cannot run
 are refused by name. "xla" is the CPU-testable twin of "cudnn" (same call, same layouts, mask
 and head grouping; only jax's `implementation` argument differs), whose speed and numbers
-are a GPU run's to measure (tools/bench_gpu.py, section train_cudnn)."""
+are a GPU run's to measure (tools/bench_gpu.py, section train_fused)."""
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +53,11 @@ def _random_qkv_biases(params, seed):
 def test_xla_fused_attention_matches_einsum_log_probs_and_gradients(dtype, tol):
     """Catches, in fused_attention: query heads grouped with the wrong kv head (n * g + j vs
     j * n + g), the causal or padding mask transposed or dropped, keys not moved to jax's
-    [B, S, N, K] layout, and pad query rows turning NaN (their gradients would poison every
-    weight). Float32 agrees to rounding; bfloat16 to its own rounding."""
+    [B, S, N, K] layout, the odd-length padding (T = 21 here) leaking weight, and pad query
+    rows turning NaN (their gradients would poison every weight). Float32 agrees to rounding;
+    bfloat16 to its own rounding. Compared: the log-probs predicted from real positions (the
+    first real token of a left-padded row is predicted from a pad position, whose output
+    differs between the paths by design: fused_attention's docstring) and every gradient."""
     cfg = CFG.replace(dtype=dtype)
     params = _random_qkv_biases(model.init_params(cfg, 0), 1)
     rng, tokens, mask = _batch(0)
@@ -63,10 +66,11 @@ def test_xla_fused_attention_matches_einsum_log_probs_and_gradients(dtype, tol):
     lp = jax.jit(lambda p: scoring.token_logprobs(cfg, p, tokens, mask))(params)
     lp_f = jax.jit(lambda p: scoring.token_logprobs(fused, p, tokens, mask))(params)
     assert np.isfinite(np.asarray(lp_f)).all()
-    np.testing.assert_allclose(lp_f, lp, rtol=tol, atol=tol)
-    assert float(jnp.abs(lp).sum()) > 1.0  # not vacuous
+    from_real = jnp.pad(mask[:, :-1], ((0, 0), (1, 0)))  # position t - 1 is a real token
+    np.testing.assert_allclose(lp_f * from_real, lp * from_real, rtol=tol, atol=tol)
+    assert float(jnp.abs(lp * from_real).sum()) > 1.0  # not vacuous
 
-    w = jnp.asarray(rng.normal(size=tokens.shape), jnp.float32)
+    w = jnp.asarray(rng.normal(size=tokens.shape), jnp.float32) * from_real
     loss = lambda c: lambda p: jnp.sum(w * scoring.token_logprobs(c, p, tokens, mask))
     g = jax.jit(jax.grad(loss(cfg)))(params)
     g_f = jax.jit(jax.grad(loss(fused)))(params)
@@ -76,11 +80,13 @@ def test_xla_fused_attention_matches_einsum_log_probs_and_gradients(dtype, tol):
         np.testing.assert_allclose(b, a, rtol=tol, atol=tol * scale)
 
 
-def test_fused_attention_layer_against_float64_numpy():
+@pytest.mark.parametrize("t,causal", [(6, False), (7, True), (7, False)])
+def test_fused_attention_layer_against_float64_numpy(t, causal):
     """The layer alone against a float64 numpy softmax attention written from the definition
-    (causal, key padding, GQA), so both paths are not only equal to each other."""
+    (causal, key padding, GQA), so both paths are not only equal to each other; odd T takes
+    the padded path, `causal` jax's is_causal."""
     rng = np.random.default_rng(3)
-    b, t, n, g, kd = 2, 6, 2, 2, 4
+    b, n, g, kd = 2, 2, 2, 4
     q = rng.normal(size=(b, t, n, g, kd))
     k = rng.normal(size=(b, n, t, kd))
     v = rng.normal(size=(b, n, t, kd))
@@ -91,6 +97,7 @@ def test_fused_attention_layer_against_float64_numpy():
         jnp.asarray(kv_mask),
         jnp.arange(t),
         "xla",
+        causal,
     )
     want = np.zeros_like(q)
     for bi in range(b):
@@ -110,7 +117,7 @@ def test_fused_attention_layer_against_float64_numpy():
 
 
 def test_sampler_prefill_through_fused_attention_draws_the_same_tokens():
-    """The sampler's prefill (keys read back from the preallocated cache, attended over the
+    """The sampler's prefill (keys read back from the cache after the write, attended over the
     prompt only) through the fused path: same tokens and behaviour log-probs as einsum's.
     Decode steps keep the one-query path, so a difference would come from the prefill (a
     causal mask dropped in fused_attention, planted, fails here too)."""

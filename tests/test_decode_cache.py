@@ -25,14 +25,14 @@ B, P, T = 4, 16, 128  # decode_bounds(128) = (32, 64, 128): three segments, two 
 ONE = jnp.float32(1.0)
 
 
-def _prefilled():
+def _prefilled(stop_ids=()):
     st = decode.Static(
         max_new_tokens=T,
         num_samples=1,
         greedy=False,
         top_k=0,
         use_top_p=False,
-        stop_ids=(),
+        stop_ids=stop_ids,
         pad_id=0,
     )
     prefill, dec = sampler._compiled(CFG, st, None)
@@ -99,3 +99,14 @@ def test_segment_refuses_a_cache_of_the_wrong_length():
     msg = r"decode segment to 64: the KV cache holds 48 positions, not the prompt's 16 \+ 64"
     with pytest.raises(ValueError, match=msg):
         dec.segments[1](params, s, ONE, ONE)
+
+
+def test_no_growth_once_every_row_has_stopped():
+    """Catches Decode growing (copying) the cache for segments with nothing left to draw: with
+    every id a stop id, each row stops at its first token, and the cache keeps the first
+    segment's length (planted: no early exit, it ends at the whole length)."""
+    params, s, dec = _prefilled(stop_ids=tuple(range(CFG.vocab_size)))
+    assert bool(s.done.all())
+    out = dec(params, s, ONE, ONE)
+    assert out.cache[0]["k"].shape[2] == P + dec.bounds[0]
+    assert int(out.mask.sum()) == B and bool(out.mask[:, 0].all())

@@ -3,11 +3,12 @@ Hugging Face `generate` (KV cache) on the same model and weights, greedy and sam
 
 Both sides generate exactly the requested number of tokens (no stop token), from the same
 left-padded prompts. ess_jax: its own jitted prefill (prompt forward, KV cache allocation,
-token 0) and decode (tokens 1..n-1) are timed apart, at generation budgets L and 2L, since
-the sampler's cache is sized by the budget. `generate` is timed from inside by a logits
-processor that stamps the clock after every forward (the first right after the prompt's);
-it runs 2L tokens once per repeat and its budget-L figures are the stamps of its first L
-steps (its cache grows with the tokens generated, so a budget-L call does exactly those).
+token 0) and decode (tokens 1..n-1, with the cache's growth between decode segments) are
+timed apart, at generation budgets L and 2L, since the sampler's decode segments follow the
+budget. `generate` is timed from inside by a logits processor that stamps the clock after
+every forward (the first right after the prompt's); it runs 2L tokens once per repeat and its
+budget-L figures are the stamps of its first L steps (its cache grows with the tokens
+generated, so a budget-L call does exactly those).
 """
 
 from __future__ import annotations
