@@ -161,3 +161,19 @@ def test_cudnn_is_refused_off_the_gpu_and_in_float32(monkeypatch):
     c.model.dtype = "float32"
     with pytest.raises(ConfigError, match=r"'cudnn' needs model.dtype 'bfloat16', got 'float32'"):
         experiment.validate(c)
+
+
+def test_setting_reaches_the_model_from_embedded_and_checkpoint_sources(tmp_path):
+    """Catches model.attention_impl dropped on one of load_policy's two paths (the embedded
+    model's constructor, or the replace after loading a checkpoint): the run would silently
+    use the einsum attention."""
+    from ess_jax import weights
+
+    m = quickstart.get_config("tiny").model
+    m.attention_impl = "xla"
+    cfg, params, _ = experiment.load_policy(m)
+    assert cfg.attention_impl == "xla"
+    weights.save_hf(cfg.replace(attention_impl="einsum"), params, str(tmp_path / "hf"))
+    m.source = str(tmp_path / "hf")
+    loaded, _, _ = experiment.load_policy(m, need_tokenizer=False)
+    assert loaded.attention_impl == "xla"
