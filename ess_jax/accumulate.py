@@ -6,6 +6,9 @@ reference code all-reduces a micro-batch's ESS over its data-parallel ranks. ess
   "step"             a no-grad statistics pass fixes the ESS and the token / sequence counts of
                      the whole optimizer batch, so micro-batch losses and gradients add up to the
                      batch's (PAPER.md: invariant to micro-batching and device count). Default.
+                     Only objectives whose loss reads the ESS (ESS_IN_LOSS) need that pass: for
+                     the others the counts need only the mask, and the step's ESS metrics come
+                     from the micro-batches' own log-probs after the gradient pass.
   "microbatch"       the reference code's default (normalize_loss=True): each micro-batch's own
                      ESS, but the token / sequence counts of the whole optimizer batch (they need
                      only the mask, no extra pass); micro-batch losses and gradients are summed.
@@ -25,6 +28,7 @@ import jax.numpy as jnp
 from ess_jax.objectives import (
     _CONST_METRICS,
     _MAX_METRICS,
+    ESS_IN_LOSS,
     STAT_KEYS,
     Batch,
     Metrics,
@@ -94,7 +98,8 @@ def step_loss_and_grad(
     def loss_fn(p, mb):
         out = logp_fn(p, mb)
         logp, extras = out if isinstance(out, tuple) else (out, {})
-        return objective(logp, {**mb, **extras}, config)
+        loss, metrics = objective(logp, {**mb, **extras}, config)
+        return loss, (metrics, jax.lax.stop_gradient(logp).astype(jnp.float32))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     shared = {k: v for k, v in batch.items() if jnp.ndim(v) == 0}
@@ -103,12 +108,16 @@ def step_loss_and_grad(
         shared = {k: v for k, v in shared.items() if k not in STAT_KEYS or k in kept}
     rows = {k: v for k, v in batch.items() if jnp.ndim(v) > 0}
     if m == 1:  # one micro-batch: the objective's own statistics are the step's
-        (loss, metrics), grads = grad_fn(params, {**rows, **shared})
+        (loss, (metrics, _)), grads = grad_fn(params, {**rows, **shared})
         return loss, grads, metrics
 
     micro = {k: _split(v, m) for k, v in rows.items()}
     needed = ("ess", "num_tokens", "num_seqs") + (("ess_prox",) if "prox_logp" in batch else ())
-    if step_scope and not all(k in shared for k in needed):
+    ess_after = ()  # step ESS metrics computed after the gradient pass
+    if step_scope and not all(k in shared for k in needed) and config.name not in ESS_IN_LOSS:
+        ess_after = tuple(k for k in ("ess", "ess_prox") if k in needed and k not in shared)
+        shared = {**token_counts(rows), **shared}
+    elif step_scope and not all(k in shared for k in needed):
         frozen = jax.lax.stop_gradient(params)
 
         def stats_pass(_, mb):
@@ -121,13 +130,17 @@ def step_loss_and_grad(
         shared = {**token_counts(rows), **shared}
 
     def accumulate(grads_acc, mb):
-        (loss, metrics), grads = grad_fn(params, {**mb, **shared})
+        (loss, (metrics, logp)), grads = grad_fn(params, {**mb, **shared})
         # Accumulate in float32 even for low-precision params: M partial sums lose bits.
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-        return grads_acc, (loss, metrics)
+        return grads_acc, (loss, metrics, logp if ess_after else None)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    grads, (loss_M, metrics_M) = jax.lax.scan(accumulate, zeros, micro)
+    grads, (loss_M, metrics_M, logp_M) = jax.lax.scan(accumulate, zeros, micro)
     scale = 1.0 / m if local_scope else 1.0
     grads = jax.tree.map(lambda g, p: (g * scale).astype(jnp.result_type(p)), grads, params)
-    return jnp.sum(loss_M) * scale, grads, combine_metrics(metrics_M, scope)
+    metrics = combine_metrics(metrics_M, scope)
+    if ess_after:  # the step's ESS, as the statistics pass would have given it
+        stats = step_statistics(_merge(logp_M), rows)
+        metrics.update({k: stats[k] for k in ess_after if k in metrics})
+    return jnp.sum(loss_M) * scale, grads, metrics

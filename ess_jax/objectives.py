@@ -359,6 +359,10 @@ OBJECTIVES: dict[str, Objective] = {
     "grpo_mis": grpo_mis,
     "reinforce": reinforce,
 }
+# Objectives whose loss reads the step statistics ess / ess_prox (the others report them as
+# metrics only): with ess_scope "step" and several micro-batches, only these need the no-grad
+# statistics pass before the gradients (accumulate.py).
+ESS_IN_LOSS = frozenset({"p3o", "p3o_dual"})
 # Objectives whose batch needs "prox_logp": the policy re-scored by the trainer before the
 # first update on a rollout batch (the proximal anchor / pi_old).
 NEEDS_PROX = frozenset({"p3o_dual", "decoupled_ppo", "grpo_tis", "grpo_mis"})
