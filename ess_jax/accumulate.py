@@ -113,11 +113,9 @@ def step_loss_and_grad(
 
     micro = {k: _split(v, m) for k, v in rows.items()}
     needed = ("ess", "num_tokens", "num_seqs") + (("ess_prox",) if "prox_logp" in batch else ())
+    missing = step_scope and not all(k in shared for k in needed)
     ess_after = ()  # step ESS metrics computed after the gradient pass
-    if step_scope and not all(k in shared for k in needed) and config.name not in ESS_IN_LOSS:
-        ess_after = tuple(k for k in ("ess", "ess_prox") if k in needed and k not in shared)
-        shared = {**token_counts(rows), **shared}
-    elif step_scope and not all(k in shared for k in needed):
+    if missing and config.name in ESS_IN_LOSS:
         frozen = jax.lax.stop_gradient(params)
 
         def stats_pass(_, mb):
@@ -126,7 +124,9 @@ def step_loss_and_grad(
 
         _, logp_MxBxT = jax.lax.scan(stats_pass, None, micro)
         shared = {**step_statistics(_merge(logp_MxBxT), rows), **shared}
-    elif scope == "microbatch":
+    elif missing or scope == "microbatch":  # the counts need only the mask
+        if missing:  # the loss does not read the ESS: the step's, for the metrics, afterwards
+            ess_after = tuple(k for k in ("ess", "ess_prox") if k in needed and k not in shared)
         shared = {**token_counts(rows), **shared}
 
     def accumulate(grads_acc, mb):

@@ -228,8 +228,8 @@ class Decode:
 
     def grow(self, cache: list, length: int) -> list:
         """Zero-pads each layer of `cache` to `length` positions, replacing the list's entries
-        in place: once the caller holds no other reference to the old layers, each is freed
-        as soon as its padded copy exists."""
+        in place (the state holding the list sees the grown cache): unless the caller holds
+        the old layers elsewhere, each is freed as soon as its padded copy exists."""
         for i in range(len(cache)):
             cache[i] = self.grow_layer(cache[i], length)
         return cache
@@ -240,8 +240,7 @@ class Decode:
             if j and bool(jnp.all(s.done)):  # every row stopped: nothing left to draw
                 break
             if s.cache[0]["k"].shape[2] < prompt_width + bound:
-                cache, s = s.cache, s.replace(cache=[])  # `cache`: the only reference left
-                s = s.replace(cache=self.grow(cache, prompt_width + bound))
+                self.grow(s.cache, prompt_width + bound)
             s = segment(params, s, temperature, top_p)
         return s
 

@@ -177,8 +177,9 @@ class Attention(nnx.Module):
             or (cfg.attention_impl == "cudnn" and dt == jnp.bfloat16)
         ):
             causal = offset == 0 and t == k_all.shape[2]  # queries = key positions 0 .. t - 1
-            impl = cfg.attention_impl
-            out = fused_attention(q, k_all, v_all, kv_mask_BxS, query_idx, impl, causal)
+            out = fused_attention(
+                q, k_all, v_all, kv_mask_BxS, query_idx, cfg.attention_impl, causal
+            )
         else:
             out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk, offset)
         out = out.reshape(b, t, h, kd)
