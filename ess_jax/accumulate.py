@@ -6,7 +6,9 @@ reference code all-reduces a micro-batch's ESS over its data-parallel ranks. ess
   "step"             a no-grad statistics pass fixes the ESS and the token / sequence counts of
                      the whole optimizer batch, so micro-batch losses and gradients add up to the
                      batch's (PAPER.md: invariant to micro-batching and device count). Default.
-                     Only objectives whose loss reads the ESS (ESS_IN_LOSS) need that pass: for
+                     Only objectives whose loss reads the ESS (ESS_IN_LOSS) need that pass, and
+                     the last micro-batch's forward in it also serves its gradient: M - 1 extra
+                     micro-batch forwards (`_statistics_pass`, which says why no fewer). For
                      the others the counts need only the mask, and the step's ESS metrics come
                      from the micro-batches' own log-probs after the gradient pass.
   "microbatch"       the reference code's default (normalize_loss=True): each micro-batch's own
@@ -82,8 +84,9 @@ def step_loss_and_grad(
     `logp_fn(params, micro_batch)` returns logp_BxT (float32), or (logp_BxT, extras) whose
     extras (e.g. "entropy" [B, T]) are added to the micro-batch. Arrays of `batch` with a
     leading batch axis are split; scalars are shared. ess_scope (module docstring) "step": a
-    no-grad statistics pass over all micro-batches fixes ess / ess_prox / num_tokens / num_seqs
-    (caller-supplied ones win), then a lax.scan sums the micro-batch losses and gradients.
+    statistics pass over all micro-batches fixes ess / ess_prox / num_tokens / num_seqs
+    (caller-supplied ones win; only for ESS_IN_LOSS, else from the mask), then a lax.scan sums
+    the micro-batch losses and gradients.
     "microbatch": num_tokens / num_seqs of the whole batch (caller-supplied ones win), ess /
     ess_prox per micro-batch, sums. "microbatch_local": every statistic per micro-batch, means.
     """
@@ -115,15 +118,10 @@ def step_loss_and_grad(
     needed = ("ess", "num_tokens", "num_seqs") + (("ess_prox",) if "prox_logp" in batch else ())
     missing = step_scope and not all(k in shared for k in needed)
     ess_after = ()  # step ESS metrics computed after the gradient pass
+    reused = None  # the last micro-batch's loss, metrics and gradient, from the statistics pass
     if missing and config.name in ESS_IN_LOSS:
-        frozen = jax.lax.stop_gradient(params)
-
-        def stats_pass(_, mb):
-            out = logp_fn(frozen, {**mb, **shared})
-            return None, (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
-
-        _, logp_MxBxT = jax.lax.scan(stats_pass, None, micro)
-        shared = {**step_statistics(_merge(logp_MxBxT), rows), **shared}
+        shared, reused = _statistics_pass(logp_fn, objective, params, micro, rows, shared, config)
+        micro = {k: v[:-1] for k, v in micro.items()}  # the last one's gradient is done
     elif missing or scope == "microbatch":  # the counts need only the mask
         if missing:  # the loss does not read the ESS: the step's, for the metrics, afterwards
             ess_after = tuple(k for k in ("ess", "ess_prox") if k in needed and k not in shared)
@@ -135,8 +133,14 @@ def step_loss_and_grad(
         grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
         return grads_acc, (loss, metrics, logp if ess_after else None)
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-    grads, (loss_M, metrics_M, logp_M) = jax.lax.scan(accumulate, zeros, micro)
+    if reused is None:
+        init = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    else:
+        init = jax.tree.map(lambda g: g.astype(jnp.float32), reused[2])
+    grads, (loss_M, metrics_M, logp_M) = jax.lax.scan(accumulate, init, micro)
+    if reused is not None:  # the last micro-batch, back in its place
+        loss_M = jnp.append(loss_M, reused[0])
+        metrics_M = jax.tree.map(lambda a, b: jnp.append(a, b[None], axis=0), metrics_M, reused[1])
     scale = 1.0 / m if local_scope else 1.0
     grads = jax.tree.map(lambda g, p: (g * scale).astype(jnp.result_type(p)), grads, params)
     metrics = combine_metrics(metrics_M, scope)
@@ -144,3 +148,39 @@ def step_loss_and_grad(
         stats = step_statistics(_merge(logp_M), rows)
         metrics.update({k: stats[k] for k in ess_after if k in metrics})
     return jnp.sum(loss_M) * scale, grads, metrics
+
+
+def _statistics_pass(logp_fn, objective, params, micro, rows, shared, config):
+    """ess_scope "step" for a loss that reads the ESS: the step's statistics before any gradient.
+
+    Needs every micro-batch's log-probs first, so it costs one more forward over the batch. The
+    last micro-batch's forward keeps its residuals (jax.vjp) and serves for its own gradient once
+    the statistics are known, so the extra forwards are M - 1 micro-batches', not M. Keeping
+    more of them would hold several micro-batches' activations at once, which is what
+    micro-batching avoids; and no cheaper exact pass exists: the cap min(rho_t, ESS) decides per
+    token how it enters the gradient, so the ESS must be known before any backward. Returns the
+    shared scalars with the statistics added, and (loss, metrics, grads) of the last micro-batch.
+    """
+    frozen = jax.lax.stop_gradient(params)
+    head = {k: v[:-1] for k, v in micro.items()}
+    last = {k: v[-1] for k, v in micro.items()}
+
+    def stats_pass(_, mb):
+        return None, _logp_of(logp_fn(frozen, {**mb, **shared}))
+
+    _, logp_head = jax.lax.scan(stats_pass, None, head)
+    out, backward = jax.vjp(lambda p: logp_fn(p, {**last, **shared}), params)
+    logp_MxBxT = jnp.concatenate([logp_head, _logp_of(out)[None]])
+    shared = {**step_statistics(_merge(logp_MxBxT), rows), **shared}
+
+    def last_loss(out):
+        logp, extras = out if isinstance(out, tuple) else (out, {})
+        return objective(logp, {**last, **shared, **extras}, config)
+
+    loss, loss_backward, metrics = jax.vjp(last_loss, out, has_aux=True)
+    (grads,) = backward(*loss_backward(jnp.ones_like(loss)))
+    return shared, (loss, metrics, grads)
+
+
+def _logp_of(out) -> jax.Array:
+    return (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
