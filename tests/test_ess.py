@@ -195,6 +195,35 @@ def test_step_scope_is_invariant_to_microbatching(cfg):
         _assert_close(_step(cfg, m), whole)
 
 
+def _logp_entropy_fn(params, mb):
+    """_logp_fn plus the policy's entropy per token, as the RL step's log-prob function gives
+    it with an entropy bonus: a (logp, extras) pair whose extras carry gradient."""
+    logits = jnp.einsum("btd,dv->btv", mb["features"], params["w"]) + params["b"]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return jnp.take_along_axis(logp, mb["tokens"][..., None], axis=-1)[..., 0], {"entropy": entropy}
+
+
+def test_step_scope_with_extras_is_invariant_to_microbatching():
+    """The statistics pass keeps the last micro-batch's forward for its gradient: catches the
+    cotangent of a log-prob function's extras (here the entropy, under an entropy bonus) lost
+    on that path, which drops that micro-batch's entropy gradient."""
+    params, batch = _policy_batch(0)
+    cfg = O.ObjectiveConfig(name="p3o", beta_ent=0.5)
+    fn = jax.jit(
+        lambda p, m: A.step_loss_and_grad(_logp_entropy_fn, p, batch, cfg, m), static_argnums=1
+    )
+    whole = fn(params, 1)
+    for m in (2, 4):
+        loss, grads, metrics = fn(params, m)
+        assert float(loss) == pytest.approx(float(whole[0]), rel=1e-6)
+        for key in grads:
+            np.testing.assert_allclose(
+                grads[key], whole[1][key], rtol=0, atol=1e-6 * np.abs(whole[1][key]).max()
+            )
+        assert float(metrics["ess"]) == pytest.approx(float(whole[2]["ess"]), rel=1e-6)
+
+
 @pytest.mark.parametrize("m", [2, 4])
 @pytest.mark.parametrize("name", ["p3o", "p3o_dual", "grpo", "cispo"])
 def test_forward_count_of_a_step(name, m):
