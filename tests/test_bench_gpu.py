@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import bench_common  # noqa: E402
 import bench_gpu  # noqa: E402
+import bench_gpu_report  # noqa: E402
 
 
 @pytest.mark.parametrize("sizes", [bench_gpu.TINY, bench_gpu.QWEN25_1_5B], ids=["tiny", "1.5b"])
@@ -59,7 +60,7 @@ def test_train_batch_and_decode_floor_by_hand():
     # 2-layer tiny model: weights 2 bytes each; K and V: batch * layers * 2 * N * K * keys * 2
     kv = 4 * 2 * 2 * 2 * 16 * 100 * 2
     want = (2 * bench_common.matmul_params(s) + kv) / 1e12
-    assert np.isclose(bench_gpu.decode_floor_s(s, 4, 100, 1000.0), want)
+    assert np.isclose(bench_gpu_report.decode_floor_s(s, 4, 100, 1000.0), want)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,8 @@ def smoke():
 def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
     """Catches a part that crashed or measured nothing (a missing or non-positive figure), a
     headline wired to the wrong measurement (recomputed here from the recorded times), a
-    recompilation inside the timed loops, and the fused-attention section missing or asking
+    recompilation inside the timed loops, the micro-batched P3O / GRPO steps missing or run
+    at one micro-batch, and the fused-attention section missing or asking
     for the wrong implementation off the GPU (its "xla" twin; its first loss agrees with the
     einsum step's to bf16 rounding, a sanity check: that the fused path runs and matches is
     tests/test_attention_impl.py's)."""
@@ -93,7 +95,14 @@ def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
         "bf16_ceiling_tflops",
     ):
         assert math.isfinite(head[key]) and head[key] > 0, (key, head[key])
-    assert set(jx["train"]) == {"p3o", "grpo", "p3o_fused"}
+    assert set(jx["train"]) == {"p3o", "grpo", "p3o_fused", "p3o_mb", "grpo_mb"}
+    assert {k: v["num_microbatches"] for k, v in jx["train"].items()} == {
+        "p3o": 1,
+        "grpo": 1,
+        "p3o_fused": 1,
+        "p3o_mb": bench_gpu.ESS_MICROBATCHES,
+        "grpo_mb": bench_gpu.ESS_MICROBATCHES,
+    }
     assert set(th["train"]) == {"torch_eager"}
     assert jx["train"]["p3o_fused"]["attention_impl"] == "xla"
     assert np.isclose(jx["train"]["p3o_fused"]["loss"], jx["train"]["p3o"]["loss"], rtol=1e-2)
@@ -102,6 +111,10 @@ def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
     assert jx["decode"]["4"]["compiles_while_timed"] == []
     p3o, grpo = (np.median(jx["train"][k]["seconds"]) for k in ("p3o", "grpo"))
     assert np.isclose(head["ess_overhead"], p3o / grpo - 1)
+    p3o_mb, grpo_mb = (np.median(jx["train"][k]["seconds"]) for k in ("p3o_mb", "grpo_mb"))
+    assert np.isclose(head["ess_overhead_mb"], p3o_mb / grpo_mb - 1)
+    # the same batch and weights: one micro-batch or four, the first loss is the same
+    assert np.isclose(jx["train"]["p3o_mb"]["loss"], jx["train"]["p3o"]["loss"], rtol=1e-2)
     assert np.isclose(head["fused_attention_speedup"], p3o / fused)
     assert np.isclose(
         head["train_vs_torch"], np.median(th["train"]["torch_eager"]["seconds"]) / p3o
@@ -114,6 +127,9 @@ def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
     assert np.isclose(head["decode_vs_hf_b4"], hstep / step)
     assert "| ess_jax train over best torch peer |" in smoke["markdown"]
     assert "| P3O step, einsum attention over xla (above 1: fused faster) |" in smoke["markdown"]
+    assert (
+        "| ESS overhead at 4 micro-batches (step scope), P3O over GRPO - 1 |" in smoke["markdown"]
+    )
     assert "a tiny smoke model" in smoke["markdown"]
 
 

@@ -14,7 +14,8 @@ writes the report. Per side:
      float32 master weights, bfloat16 compute (ess_jax: ModelConfig.dtype; torch: autocast),
      tokens/s and MFU = train_flops / s / the measured bf16 ceiling (bench_common's FLOP model);
      and the P3O step again with model.attention_impl "cudnn" (jax.nn.dot_product_attention's
-     fused kernel) against the einsum attention (section train_fused);
+     fused kernel) against the einsum attention (section train_fused); P3O and GRPO over 4
+     micro-batches, the step-scope ESS's statistics pass (section ess_microbatched);
   3. sampling at batch 32 (temperature 1, whole vocabulary, no stop token, L new tokens from
      left-padded prompts): ess_jax's sampler in its "bfloat16" precision against `generate`
      on a bfloat16 copy of the model; decode ms/step against the bandwidth floor = (bf16
@@ -43,15 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (  # noqa: E402
-    Sizes,
-    forward_flops,
-    hf_shape,
-    matmul_params,
-    median,
-    time_round_robin,
-    train_flops,
-)
+from bench_common import Sizes, hf_shape, median, time_round_robin  # noqa: E402
+from bench_gpu_report import report_md, summarize  # noqa: E402
 
 QWEN25_1_5B = Sizes(
     dim=1536,
@@ -79,7 +73,7 @@ TINY = dataclasses.replace(
     kv_heads=2,
     vocab=512,
     gemm=(256,),
-    train_batch=2,
+    train_batch=4,
     train_seq=32,
     decode_batches=(4,),
     prompt=8,
@@ -87,17 +81,20 @@ TINY = dataclasses.replace(
     warmup=1,
     repeats=2,
 )
+ESS_MICROBATCHES = 4
 H200_DATASHEET = {"bf16_tflops": 989.0, "hbm_gbps": 4800.0}  # dense, SXM (a lead, not measured)
 COPY_BYTES = 2**31
 # jax part: train (P3O), decode (sampler), grpo, train_fused (P3O with attention_impl "cudnn";
-# "xla" off the GPU, for the smoke run); torch part: torch_train (eager), generate,
-# torch_compile. grpo, train_fused and torch_compile are optional: by default they run if time
-# is left.
+# "xla" off the GPU, for the smoke run), ess_microbatched (P3O and GRPO over ESS_MICROBATCHES
+# micro-batches, ess_scope "step": the statistics pass's cost); torch part: torch_train
+# (eager), generate, torch_compile. All but train, decode, torch_train and generate are
+# optional: by default they run if time is left.
 SECTIONS = (
     "train",
     "decode",
     "grpo",
     "train_fused",
+    "ess_microbatched",
     "torch_train",
     "generate",
     "torch_compile",
@@ -136,13 +133,6 @@ def train_batch(s: Sizes) -> dict:
     from bench_train import random_train_batch
 
     return random_train_batch(s, lambda tokens: np.full(tokens.shape, -math.log(s.vocab)))
-
-
-def decode_floor_s(s: Sizes, batch: int, keys: int, gbps: float) -> float:
-    """Seconds a decode step needs at least: read every bf16 matmul weight once and the K and
-    V of `keys` positions per row and layer (bf16), at `gbps`."""
-    kv = batch * s.layers * 2 * s.kv_heads * s.head_dim * keys * 2
-    return (2 * matmul_params(s) + kv) / (gbps * 1e9)
 
 
 def timed(fn, warmup: int, repeats: int) -> tuple[list, list[str]]:
@@ -194,12 +184,12 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
     batch = train_batch(s)
     res["train"] = {}
 
-    def train(obj, impl="einsum"):
-        name = obj if impl == "einsum" else f"{obj}_fused"
-        say(f"train step {name}: {s.train_batch} x {s.train_seq} tokens (compiling)")
+    def train(obj, impl="einsum", m=1):
+        name = obj + ("" if impl == "einsum" else "_fused") + ("" if m == 1 else "_mb")
+        say(f"train step {name}: {s.train_batch} x {s.train_seq} tokens, {m} micro-batch(es)")
         t0 = time.perf_counter()
         run_cfg = cfg.replace(attention_impl=impl)
-        step, losses = jax_trainer(run_cfg, params, mesh, batch, objective=obj)
+        step, losses = jax_trainer(run_cfg, params, mesh, batch, obj, num_microbatches=m)
         step()
         compile_s = time.perf_counter() - t0
         times, compiles = timed(step, s.warmup, s.repeats)
@@ -210,6 +200,7 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
             "finite": all(math.isfinite(v) for v in losses),
             "compiles_while_timed": compiles,
             "attention_impl": impl,
+            "num_microbatches": m,
         }
         say(f"  {name}: {median(times) * 1e3:.1f} ms/step, loss {losses[0]:.4f}")
         save(res)
@@ -245,6 +236,11 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
         train("p3o", "cudnn" if jax.devices()[0].platform == "gpu" else "xla")
     else:
         say(f"skipping the fused-attention train step: {left():.0f} s left")
+    if wanted(sections, "ess_microbatched", left() > 0.4 * budget):  # the statistics pass
+        for obj in ("p3o", "grpo"):
+            train(obj, m=ESS_MICROBATCHES)
+    else:
+        say(f"skipping the micro-batched train steps: {left():.0f} s left")
     return res
 
 
@@ -330,104 +326,6 @@ def part_torch(s: Sizes, budget: float, compile_torch: bool, save, sections=SECT
     return res
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def summarize(s: Sizes, jx: dict, th: dict) -> dict:
-    """The headline figures from the two parts' JSON (missing sections give missing keys)."""
-    out: dict = {}
-    ceiling = max([*jx.get("gemm_tflops", {}).values(), *th.get("gemm_tflops", {}).values()])
-    gbps = jx.get("copy_gbps")
-    out["bf16_ceiling_tflops"], out["copy_gbps"] = ceiling, gbps
-    flops, tokens = train_flops(s, s.train_batch, s.train_seq), s.train_batch * s.train_seq
-    train = {k: median(v["seconds"]) for k, v in jx.get("train", {}).items()}
-    peer_train = th.get("train", {}).items()
-    train.update({k: median(v["seconds"]) for k, v in peer_train if "seconds" in v})
-    for name, sec in train.items():
-        out[f"train_{name}_tok_s"] = tokens / sec
-        out[f"train_{name}_mfu"] = flops / sec / (ceiling * 1e12)
-    peers = [train[k] for k in ("torch_eager", "torch_compile") if k in train]
-    if "p3o" in train and peers:
-        out["train_vs_torch"] = min(peers) / train["p3o"]
-    if "p3o" in train and "grpo" in train:
-        out["ess_overhead"] = train["p3o"] / train["grpo"] - 1
-    if "p3o" in train and "p3o_fused" in train:  # above 1: the fused attention is faster
-        out["fused_attention_speedup"] = train["p3o"] / train["p3o_fused"]
-    for b in s.decode_batches:
-        jd, hd = jx.get("decode", {}).get(str(b)), th.get("decode", {}).get(str(b))
-        if jd:
-            step = median([r["decode"] for r in jd["rounds"]]) / (s.gen - 1)
-            prefill = median([r["prefill"] for r in jd["rounds"]])
-            out[f"decode_b{b}_ms"] = step * 1e3
-            out[f"decode_b{b}_tok_s"] = b / step
-            out[f"prefill_b{b}_mfu"] = (
-                forward_flops(s, b, s.prompt, s.prompt) / prefill / (ceiling * 1e12)
-            )
-            if gbps:  # keys read: the segment bound, the sampler attends up to it
-                floor = decode_floor_s(s, b, s.prompt + s.gen, gbps)
-                out[f"decode_b{b}_floor_ms"] = floor * 1e3
-                out[f"decode_b{b}_of_bandwidth"] = floor / step
-        if hd:
-            hstep = median([r[f"decode@{s.gen}"] for r in hd["rounds"]]) / (s.gen - 1)
-            out[f"hf_decode_b{b}_ms"] = hstep * 1e3
-            if jd:
-                out[f"decode_vs_hf_b{b}"] = hstep / step
-    return out
-
-
-def report_md(s: Sizes, jx: dict, th: dict, head: dict, command: str) -> str:
-    f = lambda k, spec: format(head[k], spec) if k in head else "n/a"
-    name = "a tiny smoke model" if s == TINY else "Qwen2.5-1.5B's dimensions"
-    decodes = jx.get("decode", {}).items()
-    b = s.decode_batches[-1]
-    fused = jx.get("train", {}).get("p3o_fused", {}).get("attention_impl", "the fused kernel")
-    lines = [
-        "# GPU benchmark (tools/bench_gpu.py)",
-        "",
-        f"Command: `{command}`. Device: {jx.get('device', '?')}; jax {jx.get('jax', '?')}, "
-        f"torch {th.get('torch', '?')}. Model: {name} ({s.layers} layers, "
-        f"width {s.dim}, MLP {s.mlp}, {s.heads}/{s.kv_heads} heads, vocab {s.vocab}, tied "
-        f"embeddings), random init, {jx.get('params', 0):,} params, float32 masters, bfloat16 "
-        "compute. Medians over "
-        f"{s.repeats} timed calls after {s.warmup} warm-ups.",
-        "",
-        "| measure | value |",
-        "|---|---|",
-        f"| bf16 matmul ceiling, measured (TFLOP/s) | {f('bf16_ceiling_tflops', '.0f')} |",
-        f"| copy bandwidth, measured (GB/s) | {f('copy_gbps', '.0f')} |",
-        f"| train step ess_jax P3O, {s.train_batch} x {s.train_seq} (tok/s) "
-        f"| {f('train_p3o_tok_s', ',.0f')} |",
-        f"| train MFU ess_jax (of the measured ceiling) | {f('train_p3o_mfu', '.1%')} |",
-        f"| train step torch eager (tok/s, MFU) | {f('train_torch_eager_tok_s', ',.0f')}, "
-        f"{f('train_torch_eager_mfu', '.1%')} |",
-        f"| train step torch.compile (tok/s, MFU) | {f('train_torch_compile_tok_s', ',.0f')}, "
-        f"{f('train_torch_compile_mfu', '.1%')} |",
-        f"| ess_jax train over best torch peer | {f('train_vs_torch', '.2f')}x |",
-        f"| ESS overhead, P3O over GRPO step - 1 | {f('ess_overhead', '+.1%')} |",
-        f"| P3O step, einsum attention over {fused} (above 1: fused faster) "
-        f"| {f('fused_attention_speedup', '.2f')}x |",
-        f"| decode batch {b}, ess_jax (ms/step, tok/s) | {f(f'decode_b{b}_ms', '.2f')}, "
-        f"{f(f'decode_b{b}_tok_s', ',.0f')} |",
-        f"| decode bandwidth floor (ms/step) and fraction reached "
-        f"| {f(f'decode_b{b}_floor_ms', '.2f')}, {f(f'decode_b{b}_of_bandwidth', '.1%')} |",
-        f"| decode batch {b}, HF generate (ms/step) | {f(f'hf_decode_b{b}_ms', '.2f')} |",
-        f"| ess_jax decode over generate | {f(f'decode_vs_hf_b{b}', '.2f')}x |",
-        f"| prefill MFU, batch {b} x {s.prompt} | {f(f'prefill_b{b}_mfu', '.1%')} |",
-        "",
-        "First calls (compile included), seconds: "
-        + ", ".join(
-            f"{k} {v['first_step_s']:.0f}"
-            for part in (jx, th)
-            for k, v in part.get("train", {}).items()
-            if "first_step_s" in v
-        )
-        + "".join(f", sampler b{k} {v['first_call_s']:.0f}" for k, v in decodes)
-        + ".",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def wanted(sections, name: str, time_left: bool) -> bool:
     """Whether to run an optional section: named in --sections, or (all sections asked for)
     when the part's budget still has time for it."""
@@ -497,7 +395,7 @@ def main(argv=None) -> int:
             json.dump({"headline": head, "details": parts}, fh, indent=1)
     if args.md:
         with open(args.md, "w") as fh:
-            fh.write(report_md(s, parts["jax"], parts["torch"], head, command))
+            fh.write(report_md(s, parts["jax"], parts["torch"], head, command, args.tiny))
     return 0 if parts["jax"] and parts["torch"] else 1
 
 

@@ -76,13 +76,19 @@ def random_train_batch(s: Sizes, logp_fn) -> dict[str, np.ndarray]:
     }
 
 
-def jax_trainer(cfg, params, mesh, batch_np, objective: str = "p3o"):
+def jax_trainer(cfg, params, mesh, batch_np, objective: str = "p3o", num_microbatches: int = 1):
     """(step, losses): one ess_jax RL update per call (steps.make_rl_step, the trainer's own
-    jitted step with its state donated), on a copy of `params`."""
+    jitted step with its state donated, over `num_microbatches`), on a copy of `params`."""
     tx = make_optimizer(OPTIM)
     state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
     step_fn = steps.make_rl_step(
-        cfg, tx, ObjectiveConfig(name=objective), 1, 0, state_sh, sharding_lib.batch_sharding(mesh)
+        cfg,
+        tx,
+        ObjectiveConfig(name=objective),
+        num_microbatches,
+        0,
+        state_sh,
+        sharding_lib.batch_sharding(mesh),
     )
     batch = sharding_lib.shard_batch(batch_np, mesh)
     held, losses = [state], []
