@@ -7,10 +7,10 @@ reference code all-reduces a micro-batch's ESS over its data-parallel ranks. ess
                      the whole optimizer batch, so micro-batch losses and gradients add up to the
                      batch's (PAPER.md: invariant to micro-batching and device count). Default.
                      Only objectives whose loss reads the ESS (ESS_IN_LOSS) need that pass, and
-                     the last micro-batch's forward in it also serves its gradient: M - 1 extra
-                     micro-batch forwards (`_statistics_pass`, which says why no fewer). For
-                     the others the counts need only the mask, and the step's ESS metrics come
-                     from the micro-batches' own log-probs after the gradient pass.
+                     from 3 micro-batches on the last one's forward in it also serves its
+                     gradient: M - 1 extra micro-batch forwards (M = 2: 2; `_statistics_pass`
+                     says why). For the others the counts need only the mask, and the step's ESS
+                     metrics come from the micro-batches' own log-probs after the gradient pass.
   "microbatch"       the reference code's default (normalize_loss=True): each micro-batch's own
                      ESS, but the token / sequence counts of the whole optimizer batch (they need
                      only the mask, no extra pass); micro-batch losses and gradients are summed.
@@ -121,7 +121,8 @@ def step_loss_and_grad(
     reused = None  # the last micro-batch's loss, metrics and gradient, from the statistics pass
     if missing and config.name in ESS_IN_LOSS:
         shared, reused = _statistics_pass(logp_fn, objective, params, micro, rows, shared, config)
-        micro = {k: v[:-1] for k, v in micro.items()}  # the last one's gradient is done
+        if reused is not None:  # the last one's gradient is done
+            micro = {k: v[:-1] for k, v in micro.items()}
     elif missing or scope == "microbatch":  # the counts need only the mask
         if missing:  # the loss does not read the ESS: the step's, for the metrics, afterwards
             ess_after = tuple(k for k in ("ess", "ess_prox") if k in needed and k not in shared)
@@ -153,22 +154,29 @@ def step_loss_and_grad(
 def _statistics_pass(logp_fn, objective, params, micro, rows, shared, config):
     """ess_scope "step" for a loss that reads the ESS: the step's statistics before any gradient.
 
-    Needs every micro-batch's log-probs first, so it costs one more forward over the batch. The
-    last micro-batch's forward keeps its residuals (jax.vjp) and serves for its own gradient once
-    the statistics are known, so the extra forwards are M - 1 micro-batches', not M. Keeping
-    more of them would hold several micro-batches' activations at once, which is what
-    micro-batching avoids; and no cheaper exact pass exists: the cap min(rho_t, ESS) decides per
-    token how it enters the gradient, so the ESS must be known before any backward. Returns the
-    shared scalars with the statistics added, and (loss, metrics, grads) of the last micro-batch.
+    Needs every micro-batch's log-probs first, so it costs one more forward over the batch. From
+    M = 3 on, the last micro-batch's forward keeps its residuals (jax.vjp) and serves for its own
+    gradient once the statistics are known, so the extra forwards are M - 1 micro-batches', not
+    M. Keeping more of them would hold several micro-batches' activations at once, which is
+    what micro-batching avoids; and no cheaper exact pass exists: the cap min(rho_t, ESS)
+    decides per token how it enters the gradient, so the ESS must be known before any backward.
+    Not at M = 2: the scans over the other micro-batch would have one step, XLA inlines a
+    one-step loop, and the straight-line program then holds both micro-batches' activations at
+    once (twice the compiled temp memory on CPU; XLA:CPU drops optimization barriers before
+    scheduling, so none can order it). Returns the shared scalars with the statistics added, and
+    (loss, metrics, grads) of the last micro-batch, or None when its forward was not kept.
     """
     frozen = jax.lax.stop_gradient(params)
-    head = {k: v[:-1] for k, v in micro.items()}
+    reuse = micro["mask"].shape[0] > 2
+    head = {k: v[:-1] for k, v in micro.items()} if reuse else micro
     last = {k: v[-1] for k, v in micro.items()}
 
     def stats_pass(_, mb):
         return None, _logp_of(logp_fn(frozen, {**mb, **shared}))
 
     _, logp_head = jax.lax.scan(stats_pass, None, head)
+    if not reuse:
+        return {**step_statistics(_merge(logp_head), rows), **shared}, None
     out, backward = jax.vjp(lambda p: logp_fn(p, {**last, **shared}), params)
     logp_MxBxT = jnp.concatenate([logp_head, _logp_of(out)[None]])
     shared = {**step_statistics(_merge(logp_MxBxT), rows), **shared}

@@ -77,11 +77,11 @@ def smoke():
 def test_smoke_run_measures_every_section_and_reports_from_it(smoke):
     """Catches a part that crashed or measured nothing (a missing or non-positive figure), a
     headline wired to the wrong measurement (recomputed here from the recorded times), a
-    recompilation inside the timed loops, the micro-batched P3O / GRPO steps missing or run
-    at one micro-batch, and the fused-attention section missing or asking
-    for the wrong implementation off the GPU (its "xla" twin; its first loss agrees with the
-    einsum step's to bf16 rounding, a sanity check: that the fused path runs and matches is
-    tests/test_attention_impl.py's)."""
+    recompilation inside the timed loops, the micro-batched P3O / GRPO steps missing or asked
+    for at one micro-batch (what the step then ran is jax_trainer's, not checked here), and
+    the fused-attention section missing or asking for the wrong implementation off the GPU
+    (its "xla" twin; its first loss agrees with the einsum step's to bf16 rounding, a sanity
+    check: that the fused path runs and matches is tests/test_attention_impl.py's)."""
     s = bench_gpu.TINY
     assert smoke["rc"] == 0
     head, jx, th = smoke["headline"], smoke["details"]["jax"], smoke["details"]["torch"]

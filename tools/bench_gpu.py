@@ -24,8 +24,9 @@ The two sides hold different random weights (the CPU bench, tools/bench.py, chec
 ones): neither side's work depends on the values here, with no stop token and no clipping.
 Compile-heavy on a GPU (28 unrolled layers, 5 sampler programs): on one H200 the P3O step's
 first call took 80-91 s, the sampler's 56 s, torch.compile's 78 s, the whole run ~6.5 min
-(BENCHMARKS_GPU.md). `--budget` (seconds per part) skips the optional sections (GRPO,
-torch.compile) when short; `--sections` names the ones to run, whatever the budget.
+(BENCHMARKS_GPU.md). `--budget` (seconds per part) skips the optional sections (grpo,
+train_fused, ess_microbatched, torch_compile) when short; `--sections` names the ones to
+run, whatever the budget.
 """
 
 from __future__ import annotations
