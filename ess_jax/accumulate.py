@@ -98,11 +98,14 @@ def step_loss_and_grad(
     scope = config.ess_scope
     step_scope, local_scope = scope == "step", scope == "microbatch_local"
 
+    def loss_of(out, mb):  # the objective on a log-prob function's output for micro-batch mb
+        logp, extras = _unpack(out)
+        return objective(logp, {**mb, **extras}, config)
+
     def loss_fn(p, mb):
         out = logp_fn(p, mb)
-        logp, extras = out if isinstance(out, tuple) else (out, {})
-        loss, metrics = objective(logp, {**mb, **extras}, config)
-        return loss, (metrics, jax.lax.stop_gradient(logp).astype(jnp.float32))
+        loss, metrics = loss_of(out, mb)
+        return loss, (metrics, jax.lax.stop_gradient(_logp_of(out)))
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     shared = {k: v for k, v in batch.items() if jnp.ndim(v) == 0}
@@ -120,7 +123,7 @@ def step_loss_and_grad(
     ess_after = ()  # step ESS metrics computed after the gradient pass
     reused = None  # the last micro-batch's loss, metrics and gradient, from the statistics pass
     if missing and config.name in ESS_IN_LOSS:
-        shared, reused = _statistics_pass(logp_fn, objective, params, micro, rows, shared, config)
+        shared, reused = _statistics_pass(logp_fn, loss_of, params, micro, rows, shared)
         if reused is not None:  # the last one's gradient is done
             micro = {k: v[:-1] for k, v in micro.items()}
     elif missing or scope == "microbatch":  # the counts need only the mask
@@ -151,7 +154,7 @@ def step_loss_and_grad(
     return jnp.sum(loss_M) * scale, grads, metrics
 
 
-def _statistics_pass(logp_fn, objective, params, micro, rows, shared, config):
+def _statistics_pass(logp_fn, loss_of, params, micro, rows, shared):
     """ess_scope "step" for a loss that reads the ESS: the step's statistics before any gradient.
 
     Needs every micro-batch's log-probs first, so it costs one more forward over the batch. From
@@ -169,7 +172,6 @@ def _statistics_pass(logp_fn, objective, params, micro, rows, shared, config):
     frozen = jax.lax.stop_gradient(params)
     reuse = micro["mask"].shape[0] > 2
     head = {k: v[:-1] for k, v in micro.items()} if reuse else micro
-    last = {k: v[-1] for k, v in micro.items()}
 
     def stats_pass(_, mb):
         return None, _logp_of(logp_fn(frozen, {**mb, **shared}))
@@ -177,18 +179,21 @@ def _statistics_pass(logp_fn, objective, params, micro, rows, shared, config):
     _, logp_head = jax.lax.scan(stats_pass, None, head)
     if not reuse:
         return {**step_statistics(_merge(logp_head), rows), **shared}, None
+    last = {k: v[-1] for k, v in micro.items()}
     out, backward = jax.vjp(lambda p: logp_fn(p, {**last, **shared}), params)
     logp_MxBxT = jnp.concatenate([logp_head, _logp_of(out)[None]])
     shared = {**step_statistics(_merge(logp_MxBxT), rows), **shared}
-
-    def last_loss(out):
-        logp, extras = out if isinstance(out, tuple) else (out, {})
-        return objective(logp, {**last, **shared, **extras}, config)
-
-    loss, loss_backward, metrics = jax.vjp(last_loss, out, has_aux=True)
+    loss, loss_backward, metrics = jax.vjp(
+        lambda out: loss_of(out, {**last, **shared}), out, has_aux=True
+    )
     (grads,) = backward(*loss_backward(jnp.ones_like(loss)))
     return shared, (loss, metrics, grads)
 
 
+def _unpack(out) -> tuple[jax.Array, dict]:
+    """(logp, extras) of a log-prob function's output: logp_BxT or (logp_BxT, extras)."""
+    return out if isinstance(out, tuple) else (out, {})
+
+
 def _logp_of(out) -> jax.Array:
-    return (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
+    return _unpack(out)[0].astype(jnp.float32)

@@ -120,11 +120,19 @@ def test_partial_sums_combine_to_the_whole(seed):
 D, V, B, T, G = 4, 7, 32, 6, 4
 
 
-def _logp_fn(params, mb):
-    """A tiny linear policy: logits = features @ w + b, log-softmax, gather the tokens."""
+def _log_softmax(params, mb):
+    """A tiny linear policy's whole distribution: log-softmax(features @ w + b), [B, T, V]."""
     logits = jnp.einsum("btd,dv->btv", mb["features"], params["w"]) + params["b"]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return jnp.take_along_axis(logp, mb["tokens"][..., None], axis=-1)[..., 0]
+    return jax.nn.log_softmax(logits, axis=-1)
+
+
+def _at_tokens(logp_BxTxV, mb):
+    return jnp.take_along_axis(logp_BxTxV, mb["tokens"][..., None], axis=-1)[..., 0]
+
+
+def _logp_fn(params, mb):
+    """The tiny linear policy's log-probs of the batch's tokens."""
+    return _at_tokens(_log_softmax(params, mb), mb)
 
 
 def _policy_batch(seed=0):
@@ -198,10 +206,8 @@ def test_step_scope_is_invariant_to_microbatching(cfg):
 def _logp_entropy_fn(params, mb):
     """_logp_fn plus the policy's entropy per token, as the RL step's log-prob function gives
     it with an entropy bonus: a (logp, extras) pair whose extras carry gradient."""
-    logits = jnp.einsum("btd,dv->btv", mb["features"], params["w"]) + params["b"]
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-    return jnp.take_along_axis(logp, mb["tokens"][..., None], axis=-1)[..., 0], {"entropy": entropy}
+    logp = _log_softmax(params, mb)
+    return _at_tokens(logp, mb), {"entropy": -jnp.sum(jnp.exp(logp) * logp, axis=-1)}
 
 
 def test_step_scope_with_extras_is_invariant_to_microbatching():
