@@ -92,10 +92,6 @@ def apply_rope(x_BxTxHxK: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Arr
     return (x * cos + rotated * sin).astype(x_BxTxHxK.dtype)
 
 
-# fused_attention's additive biases: exact in bfloat16 and float32; jax's cuDNN path itself masks
-# with -2**41 in bfloat16 (a cuDNN bug with larger negatives)
-FUSED_MASKED, FUSED_PADDED = -(2.0**41), -(2.0**42)
-
 # Several queries with chunk == 0: at least this many queries per causal block (below 2x that,
 # one block); see `attention`.
 CAUSAL_BLOCKS, MIN_CAUSAL_BLOCK = 4, 64
@@ -180,16 +176,18 @@ def fused_attention(
     function's layouts, mask, padding and head grouping against `attention` (it holds the
     whole [B, H, T, S] scores: `logits_chunk` does not apply).
 
-    The mask (causal and the left pads) is an additive [B, 1, T, S] bias of a large finite
-    negative (FUSED_MASKED, exact in bfloat16), so fully masked rows (queries at left pads)
-    stay finite, as MASK_VALUE keeps them in `attention`. `causal` (static: the queries are key
-    positions 0 .. T - 1, as in training forwards and the prefill) also sets `is_causal`, so
-    the kernel may skip the blocks above the diagonal; a fully masked row then averages the
+    The mask (causal and the left pads) goes in as a boolean [B, 1, T, S] `mask`, never as a
+    float `bias`: from jax 0.11 on, cuDNN's backward computes the gradient of a float bias (a
+    [B, 1, T, S] output nobody reads), and skips it for a boolean mask, which jax turns into a
+    constant bias of -2**41 in bfloat16 (finite, so fully masked rows, queries at left pads,
+    stay finite, as MASK_VALUE keeps them in `attention`). `causal` (static: the queries are
+    key positions 0 .. T - 1, as in training forwards and the prefill) also sets `is_causal`,
+    so the kernel may skip the blocks above the diagonal; a fully masked row then averages the
     values of the keys up to its own position, where `attention` averages all S: different,
     finite numbers at pad positions, which no loss reads (the RL step scores from the prompt
     width; SFT batches have no pads), and no real query sees (pads are masked keys). cuDNN
-    refuses a bias in training when T or S is odd: an odd length gets one more query (sliced
-    off) and one more key, biased further down (FUSED_PADDED) so that no row weighs it."""
+    refuses a bias (a mask is one) in training when T or S is odd: an odd length gets one more
+    query (sliced off) and one more key, masked for every query."""
     b, t, n, g, kd = q_BxTxNxGxK.shape
     s, dt = k_BxNxSxK.shape[2], q_BxTxNxGxK.dtype
     key_idx = jnp.arange(s)
@@ -197,20 +195,13 @@ def fused_attention(
     q = q_BxTxNxGxK.reshape(b, t, n * g, kd)  # query head n * g + j uses kv head n, as in jax
     k = k_BxNxSxK.transpose(0, 2, 1, 3).astype(dt)  # [B, S, N, K]
     v = v_BxNxSxK.transpose(0, 2, 1, 3).astype(dt)
-    bias_BxTxS = jnp.where(mask_BxTxS, 0.0, FUSED_MASKED)
     pt, ps = t % 2, s % 2
     if pt or ps:
         q = jnp.pad(q, ((0, 0), (0, pt), (0, 0), (0, 0)))
         k, v = (jnp.pad(x, ((0, 0), (0, ps), (0, 0), (0, 0))) for x in (k, v))
-        bias_BxTxS = jnp.pad(bias_BxTxS, ((0, 0), (0, pt), (0, 0)), constant_values=FUSED_MASKED)
-        bias_BxTxS = jnp.pad(bias_BxTxS, ((0, 0), (0, 0), (0, ps)), constant_values=FUSED_PADDED)
+        mask_BxTxS = jnp.pad(mask_BxTxS, ((0, 0), (0, pt), (0, ps)))  # padding: False
     out = jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        bias=bias_BxTxS[:, None].astype(dt),
-        is_causal=causal,
-        implementation=implementation,
+        q, k, v, mask=mask_BxTxS[:, None], is_causal=causal, implementation=implementation
     )
     return out[:, :t].reshape(b, t, n, g, kd)
 

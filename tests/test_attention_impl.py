@@ -177,3 +177,34 @@ def test_setting_reaches_the_model_from_embedded_and_checkpoint_sources(tmp_path
     m.source = str(tmp_path / "hf")
     loaded, _, _ = experiment.load_policy(m, need_tokenizer=False)
     assert loaded.attention_impl == "xla"
+
+
+def test_mask_goes_to_jax_as_a_boolean_mask_not_a_float_bias(monkeypatch):
+    """Catches the mask handed to jax.nn.dot_product_attention as a float `bias`: from jax 0.11
+    on (the GPU machine's), cuDNN's backward then computes and writes a [B, 1, T, S] bias
+    gradient that nobody reads; for a boolean `mask` it skips it (jax's
+    cudnn.fused_attention_stablehlo: `bias_is_differentiable`). No GPU here, so the call itself
+    is checked: a boolean mask, no bias, the odd-length padding masked for every query."""
+    calls = []
+    real = jax.nn.dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    rng = np.random.default_rng(5)
+    t = 7  # odd: one padded query and key
+    q, k, v = (
+        jnp.asarray(rng.normal(size=s), jnp.float32)
+        for s in ((1, t, 2, 2, 4), (1, 2, t, 4), (1, 2, t, 4))
+    )
+    kv_mask = jnp.ones((1, t), bool).at[0, :2].set(False)
+    jax.grad(lambda q: layers.fused_attention(q, k, v, kv_mask, jnp.arange(t), "xla", True).sum())(
+        q
+    )
+    assert calls and all(c.get("bias") is None for c in calls)
+    mask = calls[0]["mask"]
+    assert mask.dtype == jnp.bool_ and mask.shape == (1, 1, t + 1, t + 1)
+    assert not np.asarray(mask)[..., t, :].any() and not np.asarray(mask)[..., :, t].any()
+    assert np.asarray(mask)[0, 0, 3, :4].tolist() == [False, False, True, True]  # pads, causal
