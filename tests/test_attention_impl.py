@@ -208,3 +208,24 @@ def test_mask_goes_to_jax_as_a_boolean_mask_not_a_float_bias(monkeypatch):
     assert mask.dtype == jnp.bool_ and mask.shape == (1, 1, t + 1, t + 1)
     assert not np.asarray(mask)[..., t, :].any() and not np.asarray(mask)[..., :, t].any()
     assert np.asarray(mask)[0, 0, 3, :4].tolist() == [False, False, True, True]  # pads, causal
+
+
+def test_cudnn_training_forward_and_backward_lower_for_cuda(monkeypatch):
+    """No GPU here, but jax lowers a CUDA program on the CPU: the gradient of the log-probs
+    with attention_impl "cudnn" must lower to one cuDNN attention call forward and one backward
+    per layer. Catches, before a GPU run pays for it: the odd-length padding dropped (jax then
+    refuses "Unsupported sequence length Q 21" for a masked training kernel), a layout or head
+    size cuDNN refuses, and a training forward that silently keeps the einsum path. cuDNN's
+    version check is stubbed: it only asks that cuDNN be installed."""
+    import re
+
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_cudnn_version", lambda: 90100)
+    cfg = CFG.replace(dtype="bfloat16", head_dim=16, attention_impl="cudnn")
+    params = model.init_params(cfg, 0)
+    _, tokens, mask = _batch(0)  # T = 21, left pads
+    grad = jax.jit(jax.grad(lambda p: scoring.token_logprobs(cfg, p, tokens, mask).sum()))
+    text = grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @__cudnn\$(\w+)", text)
+    assert sorted(calls) == ["fmhaScaleBiasSoftmax"] * 2 + ["fmhaScaleBiasSoftmaxBackward"] * 2
