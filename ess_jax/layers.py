@@ -179,15 +179,16 @@ def fused_attention(
     The mask (causal and the left pads) goes in as a boolean [B, 1, T, S] `mask`, never as a
     float `bias`: from jax 0.11 on, cuDNN's backward computes the gradient of a float bias (a
     [B, 1, T, S] output nobody reads), and skips it for a boolean mask, which jax turns into a
-    constant bias of -2**41 in bfloat16 (finite, so fully masked rows, queries at left pads,
-    stay finite, as MASK_VALUE keeps them in `attention`). `causal` (static: the queries are
-    key positions 0 .. T - 1, as in training forwards and the prefill) also sets `is_causal`,
-    so the kernel may skip the blocks above the diagonal; a fully masked row then averages the
-    values of the keys up to its own position, where `attention` averages all S: different,
-    finite numbers at pad positions, which no loss reads (the RL step scores from the prompt
-    width; SFT batches have no pads), and no real query sees (pads are masked keys). cuDNN
-    refuses a bias (a mask is one) in training when T or S is odd: an odd length gets one more
-    query (sliced off) and one more key, masked for every query."""
+    constant bias of -2**41 in bfloat16 ("xla": -0.7 x the float32 maximum). Fully masked rows
+    (queries at left pads) stay finite, as MASK_VALUE keeps them in `attention`, but their
+    numbers differ: `attention` averages all S values; "cudnn" (with `causal`) the values of
+    the keys up to the row's own position; "xla" all keys, the odd-length padded one too. No
+    loss reads them (the RL step scores from the prompt width; SFT batches have no pads), and
+    no real query sees them (pads are masked keys). `causal` (static: the queries are key
+    positions 0 .. T - 1, as in training forwards and the prefill) also sets `is_causal`, so
+    the kernel may skip the blocks above the diagonal. jax's cuDNN checks refuse a bias (a
+    mask is one) in training when T or S is odd (`check_is_flash_attention`): an odd length
+    gets one more query (sliced off) and one more key, masked for every query."""
     b, t, n, g, kd = q_BxTxNxGxK.shape
     s, dt = k_BxNxSxK.shape[2], q_BxTxNxGxK.dtype
     key_idx = jnp.arange(s)

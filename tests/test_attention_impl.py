@@ -184,7 +184,9 @@ def test_mask_goes_to_jax_as_a_boolean_mask_not_a_float_bias(monkeypatch):
     on (the GPU machine's), cuDNN's backward then computes and writes a [B, 1, T, S] bias
     gradient that nobody reads; for a boolean `mask` it skips it (jax's
     cudnn.fused_attention_stablehlo: `bias_is_differentiable`). No GPU here, so the call itself
-    is checked: a boolean mask, no bias, the odd-length padding masked for every query."""
+    is checked: a boolean mask, no bias, the odd-length padding masked for every query, and
+    `is_causal` set (dropped, the mask alone keeps the numbers, but the kernel loses its skip
+    of the blocks above the diagonal)."""
     calls = []
     real = jax.nn.dot_product_attention
 
@@ -204,6 +206,7 @@ def test_mask_goes_to_jax_as_a_boolean_mask_not_a_float_bias(monkeypatch):
         q
     )
     assert calls and all(c.get("bias") is None for c in calls)
+    assert calls[0]["is_causal"] is True  # the kernel may skip blocks above the diagonal
     mask = calls[0]["mask"]
     assert mask.dtype == jnp.bool_ and mask.shape == (1, 1, t + 1, t + 1)
     assert not np.asarray(mask)[..., t, :].any() and not np.asarray(mask)[..., :, t].any()
@@ -215,8 +218,10 @@ def test_cudnn_training_forward_and_backward_lower_for_cuda(monkeypatch):
     with attention_impl "cudnn" must lower to one cuDNN attention call forward and one backward
     per layer. Catches, before a GPU run pays for it: the odd-length padding dropped (jax then
     refuses "Unsupported sequence length Q 21" for a masked training kernel), a layout or head
-    size cuDNN refuses, and a training forward that silently keeps the einsum path. cuDNN's
-    version check is stubbed: it only asks that cuDNN be installed."""
+    size that jax's cuDNN checks refuse, a training forward that silently keeps the einsum
+    path, and the causal mask type lost. cuDNN's version check is stubbed: it only asks that
+    cuDNN be installed. Whether cuDNN itself accepts the graph is decided when XLA compiles on
+    a GPU."""
     import re
 
     from jax._src.cudnn import fused_attention_stablehlo
@@ -229,3 +234,4 @@ def test_cudnn_training_forward_and_backward_lower_for_cuda(monkeypatch):
     text = grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
     calls = re.findall(r"custom_call @__cudnn\$(\w+)", text)
     assert sorted(calls) == ["fmhaScaleBiasSoftmax"] * 2 + ["fmhaScaleBiasSoftmaxBackward"] * 2
+    assert text.count("mask_type\\22: \\22CAUSAL\\22") == 4

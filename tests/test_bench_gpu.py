@@ -157,28 +157,32 @@ def test_sections_name_what_runs_and_reject_unknown_names():
 
 
 def test_dry_run_lowers_every_program_for_cuda_with_cudnn_where_asked():
-    """tools/gpu_lower.py, the no-device check to run before a GPU run: catches a bench
-    program that no longer lowers for CUDA (a sequence length or layout cuDNN refuses), the
-    cuDNN variants reaching no cuDNN call (or the einsum one reaching it), the stubbed cuDNN
-    version check left in place after the dry run, and a miscounted bias gradient (the
-    pinned jax 0.10.2 always computes it; 0.11.2, the GPU machine's, not for fused_attention's
-    boolean mask: checked by hand, BENCHMARKS_GPU.md)."""
+    """tools/gpu_lower.py, the no-device check to run before a GPU run: catches a program of
+    bench_gpu left out of the dry run or no longer lowering for CUDA (a sequence length or
+    layout jax's cuDNN checks refuse), the cuDNN variants reaching no cuDNN call (or the einsum
+    ones reaching it), the stubbed cuDNN version check left in place after the dry run, and a
+    miscounted bias gradient (the pinned jax 0.10.2 always computes it; 0.11.2, the GPU
+    machine's, not for fused_attention's boolean mask: checked by hand, BENCHMARKS_GPU.md)."""
     import gpu_lower
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     real = fa.check_cudnn_version
     out = gpu_lower.lower_all(bench_gpu.TINY)
     assert fa.check_cudnn_version is real
-    layers = bench_gpu.TINY.layers
-    assert out["train p3o einsum M=1"]["fwd"] == out["train p3o einsum M=1"]["bwd"] == 0
-    assert out["train p3o cudnn M=1"]["fwd"] == out["train p3o cudnn M=1"]["bwd"] == layers
-    # step-scope P3O at 4 micro-batches: statistics scan, the kept last micro-batch, the
-    # gradient scan (each scan body is lowered once)
-    assert out["train p3o cudnn M=4"]["fwd"] == 3 * layers
-    assert out["train p3o cudnn M=4"]["bwd"] == 2 * layers
-    assert out["train grpo cudnn M=4"]["fwd"] == layers
-    prefill = out["prefill cudnn batch 4 x 16"]
-    assert (prefill["fwd"], prefill["bwd"]) == (layers, 0)
+    layers, m = bench_gpu.TINY.layers, bench_gpu.ESS_MICROBATCHES
+    calls = {name: (r["fwd"], r["bwd"]) for name, r in out.items()}
+    assert calls == {
+        "train p3o einsum M=1": (0, 0),  # bench_gpu's sections train, grpo, train_fused
+        "train grpo einsum M=1": (0, 0),
+        "train p3o cudnn M=1": (layers, layers),
+        f"train p3o einsum M={m}": (0, 0),  # ess_microbatched
+        f"train grpo einsum M={m}": (0, 0),
+        # statistics scan, the kept last micro-batch, the gradient scan (a body counts once)
+        f"train p3o cudnn M={m} (extra)": (3 * layers, 2 * layers),
+        "prefill einsum batch 4 x 16": (0, 0),  # decode (bench_decode.jax_runner's programs)
+        "prefill cudnn batch 4 x 16 (extra)": (layers, 0),
+        "decode segment to 8": (0, 0),
+    }
     call = "%0:{} = stablehlo.custom_call @__cudnn$fmhaScaleBiasSoftmaxBackward(%a) : (x) -> ({})"
     grads = ["tensor<2x4x8x16xbf16>"] * 3
     five = call.format(5, ", ".join(grads + ["tensor<2x1x8x8xbf16>", "tensor<0xui8>"]))

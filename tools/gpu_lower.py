@@ -1,16 +1,20 @@
 """Lower the GPU bench's jax programs for CUDA on a machine without a GPU: a dry run that
-finds, at no device time, what a GPU run would hit first (a sequence length or layout cuDNN
-refuses, an attention path that never reaches cuDNN, a backward that also computes a bias
-gradient).
+finds, at no device time, what a GPU run would hit first (a sequence length or layout that
+jax's cuDNN checks refuse, an attention path that never reaches cuDNN, a backward that also
+computes a bias gradient, a program that no longer lowers).
 
-    python tools/gpu_lower.py            # bench_gpu's Qwen2.5-1.5B sizes, seconds per program
+    python tools/gpu_lower.py            # bench_gpu's Qwen2.5-1.5B sizes: ~15 s on 2 cores
     python tools/gpu_lower.py --tiny
 
-jax lowers a program for a platform it does not run on (`lower(lowering_platforms=("cuda",))`);
-only compiling it needs the GPU, so XLA's own refusals (memory, unsupported fusions) are not
-found here. jax asks for cuDNN's version before it emits a cuDNN call: that check is stubbed
-(`cudnn_stub`) for the lowering only. Per program it prints the cuDNN attention calls forward
-and backward, how many backward calls also return a bias gradient, and the seconds to lower.
+The programs: every train step and sampler program `tools/bench_gpu.py` runs (the matmul and
+copy ceilings aside), and two cuDNN variants it does not run (P3O at 4 micro-batches, the
+prefill), marked "extra". jax lowers a program for a platform it does not run on
+(`lower(lowering_platforms=("cuda",))`); only compiling it needs the GPU, so what cuDNN itself
+and XLA decide at compile time (graph support, memory, fusions) is not checked here. jax asks
+for cuDNN's version before it emits a cuDNN call: that check is stubbed (`cudnn_stub`) for the
+lowering only, and jax's other cuDNN checks then assume a pre-Hopper GPU. Per program it
+prints the cuDNN attention call sites forward and backward (a scan's body counts once), how
+many backward ones also return a bias gradient, and the seconds to trace and lower.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import time
 
 import bench_gpu  # puts the repository root on sys.path
 
-ROOT = bench_gpu.ROOT
 CUDNN_CALL = re.compile(r"stablehlo\.custom_call @__cudnn\$fmha(\w+)\([^\n]*-> (\([^\n]*\)|\S+)")
 
 
@@ -54,15 +57,14 @@ def cudnn_calls(hlo_text: str) -> dict:
 
 
 def programs(s):
-    """(name, lowered program) of every jax program bench_gpu runs, cuDNN attention where it
-    has a training variant, plus the sampler's prefill through cuDNN."""
+    """(name, trace) of each program: `trace()` gives the traced jit, ready to lower."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from bench_common import one_device_mesh
     from bench_train import OPTIM, make_optimizer
 
-    from ess_jax import decode, model, sampler, sharding, steps
+    from ess_jax import decode, model, precision, sampler, sharding, steps
     from ess_jax.objectives import ObjectiveConfig
 
     cfg = bench_gpu.model_config(s)
@@ -77,48 +79,62 @@ def programs(s):
         k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
         for k, v in bench_gpu.train_batch(s).items()
     }
-    runs = [
-        ("p3o", "einsum", 1),
-        ("p3o", "cudnn", 1),
-        ("p3o", "cudnn", bench_gpu.ESS_MICROBATCHES),
-        ("grpo", "cudnn", bench_gpu.ESS_MICROBATCHES),
+    m = bench_gpu.ESS_MICROBATCHES
+    runs = [  # bench_gpu's sections train, grpo, train_fused, ess_microbatched; then extras
+        ("p3o", "einsum", 1, ""),
+        ("grpo", "einsum", 1, ""),
+        ("p3o", "cudnn", 1, ""),
+        ("p3o", "einsum", m, ""),
+        ("grpo", "einsum", m, ""),
+        ("p3o", "cudnn", m, " (extra)"),
     ]
-    for obj, impl, m in runs:
+    for obj, impl, mb, extra in runs:
         step = steps.make_rl_step(
             cfg.replace(attention_impl=impl),
             tx,
             ObjectiveConfig(name=obj),
-            m,
+            mb,
             0,
             jax.tree.map(lambda _: rep, state),
             sharding.batch_sharding(mesh),
         )
-        yield f"train {obj} {impl} M={m}", lambda step=step: step.trace(state, batch)
+        yield f"train {obj} {impl} M={mb}{extra}", lambda step=step: step.trace(state, batch)
+
+    # the sampler as bench_decode.jax_runner calls it: bfloat16 copy, bucketed prompts
+    sample_params = jax.eval_shape(precision.prepare_fn("bfloat16"), params)
     b, p = s.decode_batches[0], sampler.bucket_length(s.prompt)
     st = decode.Static(s.gen, 1, False, 0, False, (), 0)
-    prefill = jax.jit(
-        lambda prm, t, msk, key: decode.prefill(
-            prm, t, msk, key, 1.0, 1.0, cfg=cfg.replace(attention_impl="cudnn"), st=st, mesh=None
+    prompts = (jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b, p), jnp.bool_))
+    one, key = jnp.float32(1.0), jax.random.key(0)
+    args = (sample_params, *prompts, key, one, one)
+    compiled = {}  # attention_impl: (prefill, decode.Decode)
+    for impl, extra in (("einsum", ""), ("cudnn", " (extra)")):
+        compiled[impl] = sampler._compiled(
+            cfg.replace(dtype="bfloat16", attention_impl=impl), st, None
         )
-    )
-    args = (
-        params,
-        jax.ShapeDtypeStruct((b, p), jnp.int32),
-        jax.ShapeDtypeStruct((b, p), jnp.bool_),
-        jax.random.key(0),
-    )
-    yield f"prefill cudnn batch {b} x {p}", lambda: prefill.trace(*args)
+        prefill = compiled[impl][0]
+        yield f"prefill {impl} batch {b} x {p}{extra}", lambda f=prefill: f.trace(*args)
+    prefill, loops = compiled["einsum"]
+    dstate = jax.eval_shape(prefill, *args)
+    for bound, loop in zip(decode.decode_bounds(s.gen), loops.segments):
+        grow = lambda x, n=p + bound: jax.ShapeDtypeStruct((*x.shape[:2], n, x.shape[3]), x.dtype)
+        seg = dstate.replace(cache=jax.tree.map(grow, dstate.cache))
+        yield (
+            f"decode segment to {bound}",
+            lambda f=loop, a=(sample_params, seg, one, one): f.trace(*a),
+        )
 
 
 def lower_all(s) -> dict:
-    """{program name: cudnn_calls(...) plus "lower_s"}, every program lowered for CUDA."""
+    """{program name: cudnn_calls(...) plus "lower_s"}, every program lowered for CUDA
+    (lower_s: seconds to trace and lower)."""
     out = {}
     with cudnn_stub():
         for name, trace in programs(s):
             t0 = time.perf_counter()
             text = trace().lower(lowering_platforms=("cuda",)).as_text()
             out[name] = {**cudnn_calls(text), "lower_s": time.perf_counter() - t0}
-            print(f"{name:32s} {out[name]}", flush=True)
+            print(f"{name:36s} {out[name]}", flush=True)
     return out
 
 
