@@ -21,7 +21,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from ess_jax import draw as draw_lib
-from ess_jax import model
+from ess_jax import kv_cache, model
 from ess_jax import precision as precision_lib
 from ess_jax import sharding as shd
 
@@ -76,8 +76,13 @@ def constrain_state(s: DecodeState, mesh) -> DecodeState:
         done=_constrain(s.done, mesh, rows),
         positions=_constrain(s.positions, mesh, rows),
         kv_mask=_constrain(s.kv_mask, mesh, rows),
-        cache=_constrain(s.cache, mesh, ("batch", "kv_heads", None, "head_dim")),
+        cache=[_constrain_cache(layer, mesh) for layer in s.cache],
     )
+
+
+def _constrain_cache(layer_cache: dict, mesh) -> dict:
+    """One layer's K and V in the sample layout (their logical axes: kv_cache.CACHE_AXES)."""
+    return {k: _constrain(x, mesh, kv_cache.CACHE_AXES[k]) for k, x in layer_cache.items()}
 
 
 def _write(s: DecodeState, col, tok, blp, rlp, lkm, active, st: Static) -> DecodeState:
@@ -132,7 +137,7 @@ def prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, 
     kv_mask = jnp.concatenate([mask_BxP, jnp.ones((b, t), bool)], axis=1)
     positions = model.positions_from_mask(mask_BxP)
     module = model.bind(cfg, params)
-    cache = model.init_cache(cfg, b, p + decode_bounds(t)[0])  # the first segment's length
+    cache = kv_cache.init_cache(cfg, b, p + decode_bounds(t)[0])  # the first segment's length
     x, cache = module.hidden(cfg, prompts_BxP, positions, kv_mask, cache, 0, attend_len=p)
     logits = module.logits(cfg, x[:, -1:])  # the last position only: no [B, P, V] logits
     rep = functools.partial(jnp.repeat, repeats=n, axis=0)  # sample j of prompt i: row i*n+j
@@ -163,7 +168,7 @@ def decode_segment(params, s: DecodeState, temperature, top_p, *, bound, cfg, st
     row has emitted a stop id; attention reads the whole cache: the prompt and `bound`
     response positions."""
     prompt_width = s.kv_mask.shape[1] - st.max_new_tokens
-    length = s.cache[0]["k"].shape[2]
+    length = kv_cache.cache_length(s.cache[0])
     if length != prompt_width + bound:
         raise ValueError(
             f"decode segment to {bound}: the KV cache holds {length} positions, not the prompt's "
@@ -195,10 +200,8 @@ def decode_segment(params, s: DecodeState, temperature, top_p, *, bound, cfg, st
 
 
 def grow_layer(layer_cache: dict, length: int, mesh):
-    """One layer's K and V zero-padded to `length` positions."""
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
-    layer_cache = jax.tree.map(pad, layer_cache)
-    return _constrain(layer_cache, mesh, ("batch", "kv_heads", None, "head_dim"))
+    """One layer's K and V zero-padded to `length` positions, in the sample layout."""
+    return _constrain_cache(kv_cache.grow_layer(layer_cache, length), mesh)
 
 
 class Decode:
@@ -239,7 +242,7 @@ class Decode:
         for j, (bound, segment) in enumerate(zip(self.bounds, self.segments)):
             if j and bool(jnp.all(s.done)):  # every row stopped: nothing left to draw
                 break
-            if s.cache[0]["k"].shape[2] < prompt_width + bound:
+            if kv_cache.cache_length(s.cache[0]) < prompt_width + bound:
                 self.grow(s.cache, prompt_width + bound)
             s = segment(params, s, temperature, top_p)
         return s

@@ -8,14 +8,16 @@ Hugging Face through the model and sampler tests):
   - several queries (training forwards, the sampler's prefill): einsum contractions, optionally
     `chunk` queries at a time with each chunk recomputed in the backward pass; unchunked, in
     causal blocks that skip the keys past each block's last query (`causal_blocks`);
-  - one query per row (a decode step): elementwise multiply-and-sum over the keys. On XLA:CPU
-    the batched [G, K] x [K, S] dots of the einsum form run as B * N tiny matmuls; the
-    elementwise form is one fused loop over the cache, so a decode step costs what reading the
-    attended keys costs (attention alone at tools/bench.py's model shapes, 32 rows, 256 cached
-    positions: 2746 -> 1339 us per layer and step, measured when this path was written). As
-    on the einsum path, scores are float32 products and sums, the softmax probabilities are
-    rounded to the compute dtype before the value product (as bf16 attention kernels do), and
-    the output is in the compute dtype.
+  - one query per row against the KV cache (a decode step, `decode_attention`): elementwise
+    multiply-and-sum over the keys, which the cache stores transposed, [B, N, K, S]. XLA:CPU
+    turns the score product into a batched dot either way; with keys as [B, N, S, K] its
+    contraction ran along the minor axis, with [B, N, K, S] it streams along S as the value
+    product does. The sampler on tools/bench.py's model, batch 32, 64-token prompts, sampled,
+    alternated processes: 31.2-32.3 -> 28.8-28.9 ms per step at 256 new tokens, 27.2-27.4 ->
+    25.1-25.3 at 128 (bench_notes: tried before and reverted, when the cache copies of the
+    time hid it). As on the einsum path, scores are float32 products and sums, the softmax
+    probabilities are rounded to the compute dtype before the value product (as bf16
+    attention kernels do), and the output is in the compute dtype.
 """
 
 from __future__ import annotations
@@ -120,21 +122,8 @@ def attention(
     forward + backward per layer: ~50 -> ~40 ms). Chunked attention keeps one `lax.map` over
     same-shaped chunks (its memory bound), so every chunk attends over all S keys.
     """
-    t, kd = q_BxTxNxGxK.shape[1], q_BxTxNxGxK.shape[-1]
-    dt = q_BxTxNxGxK.dtype
+    t, dt = q_BxTxNxGxK.shape[1], q_BxTxNxGxK.dtype
     k_all, v_all = k_BxNxSxK.astype(dt), v_BxNxSxK.astype(dt)
-
-    if t == 1:  # one decode step: elementwise over the keys (see the module docstring)
-        key_idx = jnp.arange(k_BxNxSxK.shape[2])
-        mask_BxS = (key_idx <= query_idx_T[0])[None] & kv_mask_BxS
-        q = q_BxTxNxGxK[:, 0, :, :, None, :].astype(jnp.float32)  # B,N,G,1,K
-        scores = jnp.sum(q * k_all[:, :, None].astype(jnp.float32), axis=-1) / math.sqrt(kd)
-        scores = jnp.where(mask_BxS[:, None, None], scores, MASK_VALUE)
-        # probabilities rounded to the compute dtype, as the einsum path (and bf16 attention
-        # kernels) feed them to the value product; sums in float32
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(jnp.float32)  # B,N,G,S
-        out = jnp.sum(probs[..., None] * v_all[:, :, None].astype(jnp.float32), axis=-2)
-        return out[:, None].astype(dt)
 
     if chunk <= 0 or t <= chunk:
         if query_offset is None:
@@ -158,6 +147,21 @@ def attention(
     attend = jax.checkpoint(_attend)
     out = jax.lax.map(lambda a: attend(*a, k_all, v_all, kv_mask_BxS), (qs, idx))
     return jnp.moveaxis(out, 0, 1).reshape(b, -1, *rest)[:, :t]
+
+
+def decode_attention(q_BxNxGxK, k_BxNxKxS, v_BxNxSxK, kv_mask_BxS, query_idx):
+    """One query per row (position `query_idx`, a scalar) against the KV cache, keys stored
+    as [B, N, K, S] (module docstring); returns [B, N, G, K] in the compute dtype of q. Key s
+    is seen when s <= query_idx and kv_mask_BxS[b, s]: `attention`'s numbers for T = 1."""
+    dt, kd = q_BxNxGxK.dtype, q_BxNxGxK.shape[-1]
+    mask_BxS = (jnp.arange(k_BxNxKxS.shape[3]) <= query_idx)[None] & kv_mask_BxS
+    q = q_BxNxGxK[..., None].astype(jnp.float32)  # B,N,G,K,1
+    k = k_BxNxKxS.astype(dt).astype(jnp.float32)[:, :, None]  # B,N,1,K,S
+    scores = jnp.sum(q * k, axis=-2) / math.sqrt(kd)  # B,N,G,S
+    scores = jnp.where(mask_BxS[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt).astype(jnp.float32)
+    v = v_BxNxSxK.astype(dt).astype(jnp.float32)[:, :, None]  # B,N,1,S,K
+    return jnp.sum(probs[..., None] * v, axis=-2).astype(dt)
 
 
 def fused_attention(

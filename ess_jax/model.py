@@ -10,6 +10,7 @@ Functional API (stable, used by the sampler, the trainer and external checks; te
 log-probs are `scoring.token_logprobs`):
   apply(cfg, params, tokens_BxT) -> logits_BxTxV (float32)
   forward(cfg, params, tokens_BxT, positions_BxT, kv_mask_BxS, cache, cache_index, attend_len)
+(`cache`: None, or kv_cache.init_cache's list of per-layer keys and values)
 `params` is a plain nested dict of arrays (`nnx.State.to_pure_dict()` of `Decoder`).
 """
 
@@ -25,10 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from ess_jax import kv_cache
 from ess_jax.config_checks import ATTENTION_IMPLS
 from ess_jax.layers import (
     apply_rope,
     attention,
+    decode_attention,
     dense,
     fused_attention,
     rms_norm,
@@ -149,28 +152,27 @@ class Attention(nnx.Module):
 
         t = x_BxTxD.shape[1]
         # Keys/values as [B, N, S, K]: the layout the score einsum reads without a transpose
-        # (with [B, S, N, K] XLA:CPU copies the whole cache at every decode step).
+        # (the KV cache stores keys as [B, N, K, S] instead: kv_cache).
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        b, _, h, kd = q.shape
+        n = k.shape[1]
+        q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
         # static when the queries are key positions offset .. offset + t - 1 (causal blocks)
         offset = cache_index if isinstance(cache_index, int) else None
         if cache is None:  # full-sequence forward: keys are this call's tokens
             k_all, v_all, new_cache, query_idx, offset = k, v, None, jnp.arange(t), 0
-        else:  # write this call's keys into the cache, in place
-            k_all = jax.lax.dynamic_update_slice_in_dim(
-                cache["k"], k.astype(cache["k"].dtype), cache_index, axis=2
-            )
-            v_all = jax.lax.dynamic_update_slice_in_dim(
-                cache["v"], v.astype(cache["v"].dtype), cache_index, axis=2
-            )
-            new_cache = {"k": k_all, "v": v_all}
+        else:  # write this call's keys into the cache (keys transposed: kv_cache), in place
+            new_cache = kv_cache.write(cache, k, v, cache_index)
+            k_all, v_all = new_cache["k"], new_cache["v"]
             query_idx = cache_index + jnp.arange(t)
             if attend_len is not None:  # attend over the filled prefix of the cache only
-                k_all, v_all = k_all[:, :, :attend_len], v_all[:, :, :attend_len]
+                k_all, v_all = k_all[..., :attend_len], v_all[:, :, :attend_len]
                 kv_mask_BxS = kv_mask_BxS[:, :attend_len]
+            if t == 1:  # a decode step
+                out = decode_attention(q[:, 0], k_all, v_all, kv_mask_BxS, query_idx[0])
+                return dense(out.reshape(b, 1, h, kd), self.o[...].astype(dt), n_in=2), new_cache
+            k_all = k_all.transpose(0, 1, 3, 2)  # several queries (the prefill): [B, N, S, K]
 
-        b, _, h, kd = q.shape
-        n = k_all.shape[1]
-        q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
         if t > 1 and (
             cfg.attention_impl == "xla"
             # the cuDNN path is bfloat16 only: float32 forwards (a float32 sampler) use einsum
@@ -352,13 +354,6 @@ def bind(cfg: ModelConfig, params: Params) -> Decoder:
     state = jax.tree.map(lambda x: x, state)  # fresh container, the cached one stays abstract
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
-
-
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None) -> list[dict]:
-    """Zeroed KV cache: per layer {'k','v'} of shape [B, N, S, K]."""
-    shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
-    dt = dtype or cfg.compute_dtype
-    return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.num_layers)]
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ess_jax import decode, model, sampler
+from ess_jax import decode, kv_cache, model, sampler
 
 CFG = model.ModelConfig(
     vocab_size=96,
@@ -51,13 +51,14 @@ def test_compiled_decode_loops_never_copy_the_cache():
     params, s, dec = _prefilled()
     assert dec.bounds == (32, 64, 128)
     for bound, segment in zip(dec.bounds, dec.segments):
-        if s.cache[0]["k"].shape[2] < P + bound:
+        if kv_cache.cache_length(s.cache[0]) < P + bound:
             dec.grow(s.cache, P + bound)
         hlo = segment.lower(params, s, ONE, ONE).compile().as_text()
-        length = s.cache[0]["k"].shape[2]
-        assert f"f32[{B},{CFG.num_kv_heads},{length},{CFG.head_dim}]" in hlo  # not vacuous
+        n, kd, length = CFG.num_kv_heads, CFG.head_dim, kv_cache.cache_length(s.cache[0])
+        assert f"f32[{B},{n},{kd},{length}]" in hlo  # keys: not vacuous
+        assert f"f32[{B},{n},{length},{kd}]" in hlo  # values
         # a copy of anything shaped like K or V of some positions
-        shape = rf"f32\[{B},{CFG.num_kv_heads},\d+,{CFG.head_dim}\]"
+        shape = rf"f32\[{B},{n},(\d+,{kd}|{kd},\d+)\]"
         copies = re.findall(rf"= {shape}\{{[0-9,]*\}} copy\(", hlo)
         assert copies == [], f"segment to {bound}: {len(copies)} copies of the KV cache"
         s = segment(params, s, ONE, ONE)
@@ -70,12 +71,12 @@ def test_cache_grows_one_layer_at_a_time():
     padded, only layers i.. of the old length may still be live."""
     params, s, dec = _prefilled()
     s = dec.segments[0](params, s, ONE, ONE)
-    old = s.cache[0]["k"].shape
+    old = {s.cache[0]["k"].shape, s.cache[0]["v"].shape}
     live = []
     pad = dec.grow_layer
 
     def counting(layer, length):
-        live.append(sum(1 for a in jax.live_arrays() if a.shape == old))
+        live.append(sum(1 for a in jax.live_arrays() if a.shape in old))
         return pad(layer, length)
 
     dec.grow_layer = counting
@@ -84,8 +85,8 @@ def test_cache_grows_one_layer_at_a_time():
     finally:
         dec.grow_layer = pad
     assert live == [2 * (CFG.num_layers - i) for i in range(CFG.num_layers)], live
-    assert all(layer["k"].shape[2] == P + 64 for layer in s.cache)
-    assert not any(a.shape == old for a in jax.live_arrays())
+    assert all(kv_cache.cache_length(layer) == P + 64 for layer in s.cache)
+    assert not any(a.shape in old for a in jax.live_arrays())
 
 
 def test_segment_refuses_a_cache_of_the_wrong_length():
@@ -105,5 +106,5 @@ def test_no_growth_once_every_row_has_stopped():
     params, s, dec = _prefilled(stop_ids=tuple(range(CFG.vocab_size)))
     assert bool(s.done.all())
     out = dec(params, s, ONE, ONE)
-    assert out.cache[0]["k"].shape[2] == P + dec.bounds[0]
+    assert kv_cache.cache_length(out.cache[0]) == P + dec.bounds[0]
     assert int(out.mask.sum()) == B and bool(out.mask[:, 0].all())

@@ -28,8 +28,8 @@ from test_offpolicy_exact import _record_rollouts, _start
 from test_sampler import _np_kept
 from test_train import tiny_config
 
+from ess_jax import kv_cache, train, weights
 from ess_jax import model as model_lib
-from ess_jax import train, weights
 
 _apply = jax.jit(model_lib.apply, static_argnums=0)
 _forward = jax.jit(model_lib.forward, static_argnums=0)
@@ -75,7 +75,7 @@ def _decode_logits(cfg, params, tokens, attn_mask, prompt_len, resp_len):
     prompt, pmask = np.pad(tokens[:, :prompt_len], pad), np.pad(attn_mask[:, :prompt_len], pad)
     kv_mask = np.concatenate([pmask, np.ones((b, resp_len), bool)], 1)
     pos = np.asarray(model_lib.positions_from_mask(pmask))[:, -1] + 1
-    cache = model_lib.init_cache(cfg, b, bucket + resp_len)
+    cache = kv_cache.init_cache(cfg, b, bucket + resp_len)
     logits, cache = _forward(
         cfg, params, prompt, model_lib.positions_from_mask(pmask), kv_mask, cache, 0
     )

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ess_jax import layouts, model, scoring, sharding, weights
+from ess_jax import kv_cache, layouts, model, scoring, sharding, weights
 
 TOL = 1e-4  # float32 max abs logit difference allowed against PyTorch
 
@@ -209,7 +209,7 @@ def test_kv_cache_decode_matches_full_forward(tiny):
     full = _apply(cfg, params, tokens, mask)
 
     step = jax.jit(model.forward, static_argnums=0)
-    cache = model.init_cache(cfg, b, t)
+    cache = kv_cache.init_cache(cfg, b, t)
     logits, cache = step(cfg, params, tokens[:, :prompt], positions[:, :prompt], mask, cache, 0)
     outs = [logits]
     for i in range(prompt, t):  # one token at a time, teacher forced

@@ -117,7 +117,7 @@ def _sample_case(case):
     import jax.numpy as jnp
 
     from ess_jax import decode as decode_lib
-    from ess_jax import layouts, memory, model, sampler, sharding
+    from ess_jax import kv_cache, layouts, memory, model, sampler, sharding
     from ess_jax import precision as precision_lib
 
     n_dev, precision = case["devices"], case["precision"]
@@ -151,10 +151,9 @@ def _sample_case(case):
     # the last segment attends over the whole cache: the largest of the decode programs; its
     # cache has the whole length (grown between segments; the prefill's has the first's)
     full = case["prompt"] + case["new"]
-    grown = lambda x: jax.ShapeDtypeStruct(
-        (*x.shape[:2], full, x.shape[3]), x.dtype, sharding=x.sharding
-    )
-    state = state.replace(cache=jax.tree.map(grown, state.cache))
+    grown = jax.eval_shape(lambda c: [kv_cache.grow_layer(layer, full) for layer in c], state.cache)
+    sh = lambda x, old: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=old.sharding)
+    state = state.replace(cache=jax.tree.map(sh, grown, state.cache))
     xla_decode = _xla_total(decode.segments[-1].lower(params, state, *args[1:]).compile())
     amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": n_dev}, n_dev))
     terms = memory.sampler_terms(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ess_jax import gguf_llama, hf_layout, layouts, model, sharding, weights
+from ess_jax import gguf_llama, hf_layout, kv_cache, layouts, model, sharding, weights
 
 CFG = model.ModelConfig(
     vocab_size=128,
@@ -318,7 +318,7 @@ def test_smollm2_gguf_answers_paris():
         logits, cache = model.forward(cfg, params, token[None, None], i[None, None], mask, cache, i)
         return jnp.argmax(logits[0, -1]), cache
 
-    cache = model.init_cache(cfg, 1, length)
+    cache = kv_cache.init_cache(cfg, 1, length)
     for i, t in enumerate(prompt):
         nxt, cache = step(params, jnp.int32(t), cache, jnp.int32(i))
     out = []

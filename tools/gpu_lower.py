@@ -64,7 +64,7 @@ def programs(s):
     from bench_common import one_device_mesh
     from bench_train import OPTIM, make_optimizer
 
-    from ess_jax import decode, model, precision, sampler, sharding, steps
+    from ess_jax import decode, kv_cache, model, precision, sampler, sharding, steps
     from ess_jax.objectives import ObjectiveConfig
 
     cfg = bench_gpu.model_config(s)
@@ -117,8 +117,8 @@ def programs(s):
     prefill, loops = compiled["einsum"]
     dstate = jax.eval_shape(prefill, *args)
     for bound, loop in zip(decode.decode_bounds(s.gen), loops.segments):
-        grow = lambda x, n=p + bound: jax.ShapeDtypeStruct((*x.shape[:2], n, x.shape[3]), x.dtype)
-        seg = dstate.replace(cache=jax.tree.map(grow, dstate.cache))
+        grow = lambda c, n=p + bound: [kv_cache.grow_layer(layer, n) for layer in c]
+        seg = dstate.replace(cache=jax.eval_shape(grow, dstate.cache))
         yield (
             f"decode segment to {bound}",
             lambda f=loop, a=(sample_params, seg, one, one): f.trace(*a),
