@@ -36,6 +36,12 @@ def cache_length(layer_cache: dict) -> int:
 def write(layer_cache: dict, k_BxNxTxK, v_BxNxTxK, index) -> dict:
     """The layer's cache with T new keys and values written at positions index .. index + T - 1
     (in place under jit when the old cache is not used again)."""
+    kd = k_BxNxTxK.shape[3]
+    if layer_cache["k"].shape[2] != kd or layer_cache["v"].shape[3] != kd:
+        raise ValueError(
+            f"KV cache keys {layer_cache['k'].shape} / values {layer_cache['v'].shape} are not "
+            f"[B, N, K, S] / [B, N, S, K] with K = {kd} (kv_cache.init_cache builds them)"
+        )
     new = {"k": k_BxNxTxK.transpose(0, 1, 3, 2), "v": v_BxNxTxK}
     return {
         name: jax.lax.dynamic_update_slice_in_dim(

@@ -10,14 +10,14 @@ Hugging Face through the model and sampler tests):
     causal blocks that skip the keys past each block's last query (`causal_blocks`);
   - one query per row against the KV cache (a decode step, `decode_attention`): elementwise
     multiply-and-sum over the keys, which the cache stores transposed, [B, N, K, S]. XLA:CPU
-    turns the score product into a batched dot either way; with keys as [B, N, S, K] its
-    contraction ran along the minor axis, with [B, N, K, S] it streams along S as the value
-    product does. The sampler on tools/bench.py's model, batch 32, 64-token prompts, sampled,
-    alternated processes: 31.2-32.3 -> 28.8-28.9 ms per step at 256 new tokens, 27.2-27.4 ->
-    25.1-25.3 at 128 (bench_notes: tried before and reverted, when the cache copies of the
-    time hid it). As on the einsum path, scores are float32 products and sums, the softmax
-    probabilities are rounded to the compute dtype before the value product (as bf16
-    attention kernels do), and the output is in the compute dtype.
+    hands the score product to one YNNPACK fusion (multiply, then reduce over K) either way;
+    with keys as [B, N, S, K] it reduced along the minor axis, with [B, N, K, S] it streams
+    along S as the value product does. The sampler on tools/bench.py's model, batch 32,
+    64-token prompts, sampled, alternated processes: 31.2-32.3 -> 28.8-28.9 ms per step at
+    256 new tokens, 27.2-27.4 -> 25.1-25.3 at 128 (bench_notes: tried before and reverted,
+    when the cache copies of the time hid it). As on the einsum path, scores are float32
+    products and sums, the softmax probabilities are rounded to the compute dtype before the
+    value product (as bf16 attention kernels do), and the output is in the compute dtype.
 """
 
 from __future__ import annotations

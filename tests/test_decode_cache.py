@@ -108,3 +108,21 @@ def test_no_growth_once_every_row_has_stopped():
     out = dec(params, s, ONE, ONE)
     assert kv_cache.cache_length(out.cache[0]) == P + dec.bounds[0]
     assert int(out.mask.sum()) == B and bool(out.mask[:, 0].all())
+
+
+def test_keys_are_cached_transposed_and_a_wrong_layout_is_refused():
+    """Catches the key cache going back to [B, N, S, K] (a decode step's score product then
+    reduces along the minor axis: 7-11% slower per step on tools/bench.py's model,
+    bench_notes), on both the prefilled and the grown cache, and a hand-built cache in the
+    old layout being written into silently (dynamic_update_slice would clamp the index)."""
+    n, kd = CFG.num_kv_heads, CFG.head_dim
+    params, s, dec = _prefilled()
+    first = P + dec.bounds[0]
+    assert (s.cache[0]["k"].shape, s.cache[0]["v"].shape) == ((B, n, kd, first), (B, n, first, kd))
+    s = dec.segments[0](params, s, ONE, ONE)
+    dec.grow(s.cache, P + 64)
+    assert all(layer["k"].shape == (B, n, kd, P + 64) for layer in s.cache)
+    old = {"k": jnp.zeros((B, n, 40, kd)), "v": jnp.zeros((B, n, 40, kd))}
+    new_k = jnp.ones((B, n, 1, kd))
+    with pytest.raises(ValueError, match=r"not \[B, N, K, S\] / \[B, N, S, K\] with K = 8"):
+        kv_cache.write(old, new_k, new_k, 0)
