@@ -23,13 +23,11 @@ from ess_jax import decode as decode_lib
 from ess_jax import sampler
 
 
-def jax_runner(cfg, params, prompts, mask, n: int, mode: str):
-    """A call that prefills and decodes `n` tokens; returns {"prefill": s, "decode": s}."""
-    b, p = prompts.shape
-    pb = sampler.bucket_length(p)
-    toks = jnp.pad(jnp.asarray(prompts), ((0, 0), (pb - p, 0)))
-    msk = jnp.pad(jnp.asarray(mask), ((0, 0), (pb - p, 0)))
-    st = decode_lib.Static(
+def runner_static(n: int, mode: str) -> decode_lib.Static:
+    """The sampler programs' static configuration jax_runner compiles (tools/gpu_lower.py
+    lowers the same): `n` new tokens, one sample, "greedy" or "sampled", no truncation, no
+    stop token."""
+    return decode_lib.Static(
         max_new_tokens=n,
         num_samples=1,
         greedy=mode == "greedy",
@@ -38,7 +36,15 @@ def jax_runner(cfg, params, prompts, mask, n: int, mode: str):
         stop_ids=(),
         pad_id=0,
     )
-    prefill, decode = sampler._compiled(cfg, st, None)
+
+
+def jax_runner(cfg, params, prompts, mask, n: int, mode: str):
+    """A call that prefills and decodes `n` tokens; returns {"prefill": s, "decode": s}."""
+    b, p = prompts.shape
+    pb = sampler.bucket_length(p)
+    toks = jnp.pad(jnp.asarray(prompts), ((0, 0), (pb - p, 0)))
+    msk = jnp.pad(jnp.asarray(mask), ((0, 0), (pb - p, 0)))
+    prefill, decode = sampler._compiled(cfg, runner_static(n, mode), None)
     one, rng = jnp.float32(1.0), jax.random.key(0)
 
     def run():

@@ -3,7 +3,7 @@ finds, at no device time, what a GPU run would hit first (a sequence length or l
 jax's cuDNN checks refuse, an attention path that never reaches cuDNN, a backward that also
 computes a bias gradient, a program that no longer lowers).
 
-    python tools/gpu_lower.py            # bench_gpu's Qwen2.5-1.5B sizes: ~15 s on 2 cores
+    python tools/gpu_lower.py            # bench_gpu's Qwen2.5-1.5B sizes: ~30 s on 2 cores
     python tools/gpu_lower.py --tiny
 
 The programs: every train step and sampler program `tools/bench_gpu.py` runs (the matmul and
@@ -62,9 +62,10 @@ def programs(s):
     import jax.numpy as jnp
     import numpy as np
     from bench_common import one_device_mesh
+    from bench_decode import runner_static
     from bench_train import OPTIM, make_optimizer
 
-    from ess_jax import decode, kv_cache, model, precision, sampler, sharding, steps
+    from ess_jax import kv_cache, model, precision, sampler, sharding, steps
     from ess_jax.objectives import ObjectiveConfig
 
     cfg = bench_gpu.model_config(s)
@@ -103,7 +104,7 @@ def programs(s):
     # the sampler as bench_decode.jax_runner calls it: bfloat16 copy, bucketed prompts
     sample_params = jax.eval_shape(precision.prepare_fn("bfloat16"), params)
     b, p = s.decode_batches[0], sampler.bucket_length(s.prompt)
-    st = decode.Static(s.gen, 1, False, 0, False, (), 0)
+    st = runner_static(s.gen, "sampled")  # bench_gpu decodes "sampled"
     prompts = (jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b, p), jnp.bool_))
     one, key = jnp.float32(1.0), jax.random.key(0)
     args = (sample_params, *prompts, key, one, one)
@@ -116,7 +117,7 @@ def programs(s):
         yield f"prefill {impl} batch {b} x {p}{extra}", lambda f=prefill: f.trace(*args)
     prefill, loops = compiled["einsum"]
     dstate = jax.eval_shape(prefill, *args)
-    for bound, loop in zip(decode.decode_bounds(s.gen), loops.segments):
+    for bound, loop in zip(loops.bounds, loops.segments):
         grow = lambda c, n=p + bound: [kv_cache.grow_layer(layer, n) for layer in c]
         seg = dstate.replace(cache=jax.eval_shape(grow, dstate.cache))
         yield (
