@@ -7,7 +7,7 @@ then RL with the P3O objective. Eval rows (held-out pass@1 at temperature 1) are
 step 0 and at the end. Measured numbers are in README.md.
 """
 
-from ess_jax.defaults import base_config
+from ess_jax.config.defaults import base_config
 
 
 def get_config(arg: str | None = None):

@@ -8,7 +8,7 @@ with the P3O objective. Runs on this 2-core CPU but slowly: see README.md for th
 time per step. `--config=configs/smollm2_arith.py:tiny` runs 2 steps.
 """
 
-from ess_jax.defaults import base_config
+from ess_jax.config.defaults import base_config
 
 
 def get_config(arg: str | None = None):

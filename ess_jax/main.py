@@ -17,8 +17,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from ess_jax import config_checks  # no jax: a bad value fails before jax is imported
-from ess_jax.errors import UserError
+from ess_jax.config import schema as config_checks  # no jax: a bad config fails before jax
+from ess_jax.config.schema import UserError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file.", lock_config=True
@@ -76,7 +76,7 @@ def main(argv) -> None:
     try:
         config = _config()
         config_checks.check(config)
-        from ess_jax import train  # jax initialises devices on import of train
+        from ess_jax.rl import train  # jax initialises devices on import of train
 
         png = train.run(config, _WORKDIR.value, allow_config_change=_ALLOW.value)
     except UserError as e:

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ess_jax.metrics import read_metrics  # noqa: E402
+from ess_jax.rl.metrics import read_metrics  # noqa: E402
 
 
 def summarize(workdir: str) -> dict:

@@ -13,7 +13,8 @@ import zlib
 import jax
 from absl import app
 
-from ess_jax import main, rewards, train
+from ess_jax import main, rewards
+from ess_jax.rl import train
 
 
 def coin_reward(text: str, example: dict) -> float:

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from ess_jax import advantages as A
+from ess_jax.rl import advantages as A
 
 # Two groups of 3: rewards (1, 0, 0) and (1, 1, 1).
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], np.float32)

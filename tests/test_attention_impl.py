@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 
 from configs import quickstart
-from ess_jax import config_checks, experiment, layers, model, sampler, scoring
-from ess_jax.config_checks import ConfigError
+from ess_jax.config import schema as config_checks
+from ess_jax.config.schema import ConfigError
+from ess_jax.model import decoder as model
+from ess_jax.model import layers, scoring
+from ess_jax.rl import experiment
+from ess_jax.sampling import sampler
 
 # GQA with 2 query heads per kv head and Qwen2's q/k/v biases: a wrong head grouping or a
 # dropped bias changes the numbers
@@ -167,7 +171,7 @@ def test_setting_reaches_the_model_from_embedded_and_checkpoint_sources(tmp_path
     """Catches model.attention_impl dropped on one of load_policy's two paths (the embedded
     model's constructor, or the replace after loading a checkpoint): the run would silently
     use the einsum attention."""
-    from ess_jax import weights
+    from ess_jax.io import weights
 
     m = quickstart.get_config("tiny").model
     m.attention_impl = "xla"

@@ -80,7 +80,7 @@ def test_identical_weights_and_matmul_param_count_independently():
     torch = pytest.importorskip("torch")
     import jax
 
-    from ess_jax import model
+    from ess_jax.model import decoder as model
 
     s = bench.tiny(bench.QUICK)
     mesh = bench_common.one_device_mesh()

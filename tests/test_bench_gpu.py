@@ -30,7 +30,8 @@ def test_both_sides_build_the_same_architecture(sizes):
     importer must give bench_gpu's config, and the HF parameter count ess_jax's. At 1.5B this
     is checked on the configs and abstract shapes only (nothing allocated)."""
     pytest.importorskip("torch")
-    from ess_jax import model, weights
+    from ess_jax.io import weights
+    from ess_jax.model import decoder as model
 
     hf = bench_gpu.hf_qwen2(sizes, "meta")
     ours = bench_gpu.model_config(sizes)

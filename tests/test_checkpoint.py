@@ -10,8 +10,9 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ess_jax import layouts, model, sharding
-from ess_jax.checkpoint import Checkpointer, CheckpointError
+from ess_jax.io.checkpoint import Checkpointer, CheckpointError
+from ess_jax.model import decoder as model
+from ess_jax.parallel import sharding
 
 CFG = model.ModelConfig()
 META = {
@@ -22,7 +23,7 @@ META = {
 
 
 def _abstract_params(mesh):
-    shardings = layouts.param_shardings(CFG, mesh, "train")
+    shardings = model.param_shardings(CFG, mesh, "train")
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         model.abstract_params(CFG),
@@ -134,7 +135,7 @@ def test_jit_tx_init_count_trap(saved, tmp_path):
     """
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     tx = optax.adam(1e-3)
-    params = jax.device_put(saved[1]["params"], layouts.param_shardings(CFG, mesh))
+    params = jax.device_put(saved[1]["params"], model.param_shardings(CFG, mesh))
     opt = jax.jit(tx.init)(params)
     assert len(opt[0].count.sharding.device_set) == 1  # the trap is real on this jax
     ckpt = Checkpointer(str(tmp_path))
@@ -309,7 +310,7 @@ def test_late_read_callbacks_after_a_failed_restore_are_silenced_and_nothing_els
     import sys
     import types
 
-    from ess_jax import ckpt_noise
+    from ess_jax.io import orbax_quiet as ckpt_noise
 
     def caused_by(cause, msg="Encountered error while reading array index: (slice(0, 8, 1),)"):
         e = Exception(msg + ". See full TensorStore details: {...}.")
@@ -340,7 +341,8 @@ def test_hosts_make_the_same_agreement_calls_and_only_process_0_deletes(tmp_path
     barrier), and process 1 went on to the next collective. Whatever a host sees, it must make
     the same agreement calls as process 0 (same names, same order), and only process 0 may
     delete. Here one process plays each host in turn."""
-    from ess_jax import checkpoint, hosts
+    from ess_jax.io import checkpoint
+    from ess_jax.parallel import hosts
 
     calls = []
     monkeypatch.setattr(hosts, "barrier", lambda name: calls.append(name))
@@ -371,7 +373,7 @@ def test_a_host_that_does_not_see_the_commit_yet_still_reads_back(tmp_path, monk
     across processes) because that host does not see the new step's commit marker yet (shared
     filesystem lag): the other hosts would wait in the barrier for it. Which steps committed
     is process 0's view (`hosts.from_process0`); every host then reads those back."""
-    from ess_jax import hosts
+    from ess_jax.parallel import hosts
 
     d = tmp_path / "ckpt"
     ckpt = Checkpointer(str(d), keep=1)

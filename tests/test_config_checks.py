@@ -15,9 +15,10 @@ import sys
 import pytest
 
 from configs import quickstart
-from ess_jax import config_checks, experiment
-from ess_jax.config_checks import ConfigError
-from ess_jax.defaults import base_config
+from ess_jax.config import schema as config_checks
+from ess_jax.config.defaults import base_config
+from ess_jax.config.schema import ConfigError
+from ess_jax.rl import experiment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,8 +19,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from configs.paper import common as paper
-from ess_jax import experiment, layouts, memory, model, presets, sharding
-from ess_jax.optim import make_optimizer
+from ess_jax.config import presets
+from ess_jax.memory import planner as memory
+from ess_jax.model import decoder as model
+from ess_jax.parallel import sharding
+from ess_jax.rl import experiment
+from ess_jax.rl.optim import make_optimizer
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIGS = sorted(
@@ -86,9 +90,9 @@ def check_shardings(c, num_devices: int) -> None:
     mesh = memory.abstract_mesh(sharding.mesh_shape(dict(c.mesh), num_devices))
     cfg = memory.model_config(c.model)
     params = model.abstract_params(cfg)
-    train_sh = layouts.param_shardings(cfg, mesh, "train")
+    train_sh = model.param_shardings(cfg, mesh, "train")
     tx = make_optimizer({**c.optim.to_dict(), "total_steps": 1})
-    opt = memory._optimizer_shapes(cfg, tuple(sorted(c.optim.to_dict().items())))
+    opt = memory.optimizer_shapes(cfg, tuple(sorted(c.optim.to_dict().items())))
     rep = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_map_params(
         tx, lambda _, s: s, opt, train_sh, transform_non_params=lambda _: rep
@@ -97,7 +101,7 @@ def check_shardings(c, num_devices: int) -> None:
         for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
             if x.size >= LARGE and mesh.size > 1:
                 assert not s.is_fully_replicated, (x.shape, s)
-    for s in jax.tree.leaves(layouts.param_shardings(cfg, mesh, "sample")):
+    for s in jax.tree.leaves(model.param_shardings(cfg, mesh, "sample")):
         assert "fsdp" not in jax.tree.leaves(tuple(s.spec))  # no FSDP all-gathers per token
 
 
@@ -161,7 +165,7 @@ def test_known_models_have_the_papers_sizes():
 
 
 def _m(name):
-    from ess_jax.defaults import base_config
+    from ess_jax.config.defaults import base_config
 
     c = base_config().model
     c.source = "/nonexistent/" + name
@@ -171,13 +175,13 @@ def _m(name):
 def test_every_objective_field_is_in_the_config_and_none_means_paper_default():
     import dataclasses
 
-    from ess_jax.defaults import base_config
-    from ess_jax.objectives import ObjectiveConfig
+    from ess_jax.config.defaults import base_config
+    from ess_jax.objectives import ObjectiveConfig, objective_config
 
     c = base_config()
     assert set(c.objective.keys()) == {f.name for f in dataclasses.fields(ObjectiveConfig)}
-    assert ObjectiveConfig.from_dict(c.objective) == ObjectiveConfig()
+    assert objective_config(c.objective) == ObjectiveConfig()
     c.objective.name = "dapo"
-    assert ObjectiveConfig.from_dict(c.objective).clip_eps_high == 0.28  # DAPO clip-higher
+    assert objective_config(c.objective).clip_eps_high == 0.28  # DAPO clip-higher
     c.objective.clip_eps_high = 0.3
-    assert ObjectiveConfig.from_dict(c.objective).clip_eps_high == 0.3
+    assert objective_config(c.objective).clip_eps_high == 0.3

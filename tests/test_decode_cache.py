@@ -1,5 +1,5 @@
-"""The sampler's KV cache across decode segments (ess_jax/decode.py): no copy of the cache in
-any compiled decode loop, the cache grown a layer at a time between segments, and a segment
+"""The sampler's KV cache across decode segments (ess_jax/sampling/decode.py): no copy of the
+cache in any compiled decode loop, the cache grown a layer at a time between segments, and a segment
 refusing a cache of the wrong length. (That the grown cache carries the right keys is
 test_sampler's: a two-segment generation equals teacher forcing.)"""
 
@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ess_jax import decode, kv_cache, model, sampler
+from ess_jax.model import decoder as model
+from ess_jax.model import kv_cache
+from ess_jax.sampling import decode, sampler
 
 CFG = model.ModelConfig(
     vocab_size=96,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.stats
 
-from ess_jax import draw
+from ess_jax.sampling import draw
 
 V = 5 * draw.BLOCK + 37  # a partial last block: padding must never be drawn
 N = 200_000

@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling with resampling (ess_jax/dynamic_sampling.py).
+"""DAPO dynamic sampling with resampling (ess_jax/rl/dynamic_sampling.py).
 
 A reward we control decides which prompts give a constant group: "mixed" prompts reward the
 first sample of their group (1, 0, 0, 0: GRPO advantages 1.5, -0.5, -0.5, -0.5 by hand), the
@@ -15,10 +15,12 @@ import pytest
 from test_memory_knobs import CFG
 from test_train import coin_reward, tiny_config
 
-from ess_jax import dynamic_sampling, experiment, model, rollout, scoring, train
-from ess_jax.config_checks import ConfigError
+from ess_jax.config.schema import ConfigError
 from ess_jax.data import PromptBatcher, char_tokenizer
-from ess_jax.metrics import read_metrics
+from ess_jax.model import decoder as model
+from ess_jax.model import scoring
+from ess_jax.rl import dynamic_sampling, experiment, rollout, train
+from ess_jax.rl.metrics import read_metrics
 
 G = 4
 FIELDS = ("tokens", "attn_mask", "loss_mask", "behaviour_logp", "advantages", "rewards")

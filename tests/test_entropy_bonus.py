@@ -13,8 +13,9 @@ import pytest
 from test_offpolicy_exact import _start
 from test_train import tiny_config
 
-from ess_jax import accumulate, steps
-from ess_jax import model as model_lib
+from ess_jax.model import decoder as model_lib
+from ess_jax.objectives import scopes as accumulate
+from ess_jax.rl import steps
 
 BETA = 0.05
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ess_jax import accumulate as A
 from ess_jax import objectives as O
+from ess_jax.objectives import scopes as A
 
 L = 16  # every example is padded to one shape so the jitted ESS compiles once
 _ess = jax.jit(O.effective_sample_size)
@@ -136,7 +136,7 @@ def _logp_fn(params, mb):
 
 
 def _policy_batch(seed=0):
-    from ess_jax.advantages import broadcast_to_tokens, group_advantages
+    from ess_jax.rl.advantages import broadcast_to_tokens, group_advantages
 
     rng = np.random.default_rng(seed)
     f32 = lambda x: np.asarray(x, np.float32)
@@ -250,7 +250,7 @@ def test_forward_count_of_a_step(name, m):
     cfg = O.ObjectiveConfig(name=name)
     out = jax.jit(lambda p: A.step_loss_and_grad(counting, p, batch, cfg, m))(params)
     jax.block_until_ready(out)
-    if name not in O.ESS_IN_LOSS:
+    if name not in {n for n, o in O.OBJECTIVES.items() if o.ess_in_loss}:
         assert len(forwards) == m
     else:
         assert len(forwards) == (2 * m - 1 if m > 2 else 2 * m)
@@ -263,8 +263,8 @@ def test_statistics_pass_memory_is_one_microbatch(m):
     dominate. At M = 2 reusing the last micro-batch's forward leaves one-step scans, which XLA
     inlines, and the straight-line program held both micro-batches' activations (1.98x GRPO's
     here; planted back, this fails)."""
-    from ess_jax import model as model_lib
-    from ess_jax import steps
+    from ess_jax.model import decoder as model_lib
+    from ess_jax.rl import steps
 
     cfg = model_lib.ModelConfig(
         vocab_size=256,
@@ -298,9 +298,9 @@ def test_statistics_pass_memory_is_one_microbatch(m):
     assert temp("p3o") <= 1.1 * temp("grpo")
 
 
-@pytest.mark.parametrize("name", sorted(set(O.OBJECTIVES) - O.ESS_IN_LOSS))
+@pytest.mark.parametrize("name", sorted(n for n, o in O.OBJECTIVES.items() if not o.ess_in_loss))
 def test_objectives_outside_ess_in_loss_do_not_read_the_ess(name):
-    """Catches an objective whose loss reads ess / ess_prox but is missing from ESS_IN_LOSS:
+    """Catches an objective whose loss reads ess / ess_prox but whose record says ess_in_loss=False:
     with ess_scope "step" it would silently get each micro-batch's own ESS. Its loss and
     gradient must not move when the supplied statistics do."""
     params, batch = _policy_batch(0)
@@ -308,7 +308,7 @@ def test_objectives_outside_ess_in_loss_do_not_read_the_ess(name):
 
     def loss(p, ess):
         stats = {"ess": ess, "ess_prox": ess}
-        return O.get_objective(name)(_logp_fn(p, batch), {**batch, **stats}, cfg)[0]
+        return O.get_objective(name).loss(_logp_fn(p, batch), {**batch, **stats}, cfg)[0]
 
     lo, hi = (jax.value_and_grad(loss)(params, e) for e in (0.2, 0.9))
     assert float(lo[0]) == float(hi[0])

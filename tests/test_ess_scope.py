@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ess_jax import accumulate as A
 from ess_jax import objectives as O
+from ess_jax.objectives import scopes as A
 
 D, V, B, T, M = 3, 5, 32, 8, 4  # 32 rows over 8 devices: row r is on device r // 4
 DEVICES = 8

@@ -9,8 +9,8 @@ import ml_collections
 import pytest
 from test_train import tiny_config
 
-from ess_jax import evaluate as eval_lib
-from ess_jax import experiment, rollout
+from ess_jax.rl import experiment, rollout
+from ess_jax.rl import heldout as eval_lib
 
 
 @pytest.fixture(scope="module")

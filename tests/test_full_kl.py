@@ -1,5 +1,5 @@
 """objective.kl_estimator="full": P3O's KL(pi || pi_b) over the whole vocabulary, pi_b re-scored
-in the train step (ess_jax/rescore.py), against a float64 numpy reference.
+in the train step (ess_jax/sampling/rescore.py), against a float64 numpy reference.
 
 The reference takes each model's teacher-forced float32 logits (model.apply) to float64 and does
 the rest itself: temperature, the kept support of top-k / top-p (test_sampler's independent
@@ -20,9 +20,12 @@ from test_offpolicy_exact import _start
 from test_sampler import _np_kept
 from test_train import tiny_config
 
-from ess_jax import config_checks, experiment, rescore, steps, train, weights
-from ess_jax import model as model_lib
 from ess_jax import objectives as O
+from ess_jax.config import schema as config_checks
+from ess_jax.io import weights
+from ess_jax.model import decoder as model_lib
+from ess_jax.rl import experiment, steps, train
+from ess_jax.sampling import rescore
 
 CFG = model_lib.ModelConfig(
     vocab_size=13, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

@@ -84,8 +84,9 @@ def test_tool_evaluates_an_exported_checkpoint(tmp_path, capsys):
     """Catches: the tool not loading a run's hf/ export, losing a benchmark or a token budget in
     the table, or mixing samples of different problems into one problem's pass@j (with greedy
     decoding every sample of a problem is the same, so pass@j must equal pass@1)."""
-    from ess_jax import model, weights
     from ess_jax.data import char_tokenizer
+    from ess_jax.io import weights
+    from ess_jax.model import decoder as model
 
     tok = char_tokenizer()
     cfg = model.ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,

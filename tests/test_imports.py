@@ -1,12 +1,28 @@
-"""Imports inside ess_jax flow one way. Catches a circle between two modules (weights <->
-gguf_llama had one, hidden by a lazy import): every `import` counts, at the top of a module
-or inside a function, since a lazy import only defers the circle; only `if TYPE_CHECKING:`
-imports (annotations, never run) are left out."""
+"""Imports inside ess_jax flow one way, in the layer order ARCHITECTURE.md draws. Catches an
+upward import between subpackages (e.g. model importing sampling), a circle between two modules
+of one subpackage, a module importing its own package's face (`ess_jax.objectives` from inside
+objectives/: a circle through __init__), and a private name imported across modules. Every
+`import` counts, at the top of a module or inside a function, since a lazy import only defers
+the circle; only `if TYPE_CHECKING:` imports (annotations, never run) are left out."""
 
 import ast
 import pathlib
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "ess_jax"
+# Lowest first; a subpackage may import only from earlier layers and from itself.
+LAYERS = (
+    ("config",),
+    ("data", "rewards"),
+    ("parallel",),
+    ("objectives",),
+    ("model",),
+    ("sampling",),
+    ("io",),
+    ("rl",),
+    ("memory",),
+    ("main",),
+)
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 
 def _nodes(tree):
@@ -19,16 +35,45 @@ def _nodes(tree):
         yield from _nodes(node)
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    out = set()
+def _imports(path: pathlib.Path) -> list[tuple[str, tuple[str, ...]]]:
+    """(imported module path under ess_jax, names taken) for every ess_jax import."""
+    out = []
     for node in _nodes(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "ess_jax":
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ess_jax."):
-            out.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ess_jax"):
+            mod = node.module.removeprefix("ess_jax").lstrip(".")
+            for a in node.names:  # `from ess_jax.x import y` may name a module y
+                out.append((f"{mod}.{a.name}".lstrip("."), (a.name,)))
         elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("ess_jax.")}
+            for a in node.names:
+                if a.name.startswith("ess_jax."):
+                    out.append((a.name.removeprefix("ess_jax."), ()))
     return out
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        yield path, ".".join(path.relative_to(PKG).with_suffix("").parts)
+
+
+def _unit(module: str) -> str:
+    """The layer unit of a module path: its subpackage, or a top-level module's own name."""
+    return module.split(".")[0]
+
+
+def _graph() -> dict[str, set[str]]:
+    known = {m for _, m in _modules()}
+    graph = {}
+    for path, mod in _modules():
+        targets = set()
+        for target, _ in _imports(path):
+            while target and target not in known and f"{target}.__init__" not in known:
+                target = target.rpartition(".")[0]  # `from ess_jax.x.y import name` -> x.y
+            if target in known:
+                targets.add(target)
+            elif target:
+                targets.add(f"{target}.__init__")
+        graph[mod] = targets - {mod}
+    return graph
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -50,12 +95,48 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycles_in_the_package():
-    graph = {p.stem: _imports(p) - {p.stem} for p in PKG.glob("*.py")}
-    assert graph["weights"] >= {"gguf_llama", "hf_layout"}  # the parser sees real imports
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, targets in graph.items():
+        if mod == "__init__":
+            continue
+        for t in targets:
+            same = _unit(t) == _unit(mod)
+            if same and t.endswith("__init__") and not mod.endswith("__init__"):
+                bad.append(f"{mod} -> {t} (its own package's face)")
+            elif not same and RANK[_unit(t)] >= RANK[_unit(mod)]:
+                bad.append(f"{mod} -> {t}")
+    return bad
+
+
+def test_every_subpackage_has_a_layer():
+    units = {_unit(m) for _, m in _modules()} - {"__init__"}
+    assert units <= set(RANK), f"not in LAYERS: {sorted(units - set(RANK))}"
+
+
+def test_imports_flow_down_the_layers_without_circles():
+    graph = _graph()
+    assert {"io.gguf_llama", "io.hf_layout"} <= graph["io.weights"]  # the parser sees imports
+    assert _upward(graph) == []
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
-def test_the_cycle_finder_finds_a_planted_cycle():
+def test_no_private_name_is_imported_across_modules():
+    private = [
+        f"{m}: {name}"
+        for path, m in _modules()
+        for _, names in _imports(path)
+        for name in names
+        if name.startswith("_")
+    ]
+    assert private == []
+
+
+def test_the_checks_find_planted_faults():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+    planted = {"model.decoder": {"sampling.draw"}, "objectives.scopes": {"objectives.__init__"}}
+    assert _upward(planted) == [
+        "model.decoder -> sampling.draw",
+        "objectives.scopes -> objectives.__init__ (its own package's face)",
+    ]

@@ -28,8 +28,10 @@ from test_offpolicy_exact import _record_rollouts, _start
 from test_sampler import _np_kept
 from test_train import tiny_config
 
-from ess_jax import kv_cache, train, weights
-from ess_jax import model as model_lib
+from ess_jax.io import weights
+from ess_jax.model import decoder as model_lib
+from ess_jax.model import kv_cache
+from ess_jax.rl import train
 
 _apply = jax.jit(model_lib.apply, static_argnums=0)
 _forward = jax.jit(model_lib.forward, static_argnums=0)

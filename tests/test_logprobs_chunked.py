@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ess_jax import model, scoring
+from ess_jax.model import decoder as model
+from ess_jax.model import scoring
 
 CFG = model.ModelConfig(
     vocab_size=96,
@@ -47,7 +48,7 @@ def test_chunked_logprobs_value_entropy_and_grad_match(chunk, remat):
 def test_sampler_prefill_with_chunked_attention_draws_the_same_tokens():
     """Catches: the prefill's query chunks writing a different KV cache than the one-shot
     prefill (the decode steps would then read wrong keys)."""
-    from ess_jax import sampler
+    from ess_jax.sampling import sampler
 
     cfg = CFG
     params = model.init_params(cfg, 1)

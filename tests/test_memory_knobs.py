@@ -11,8 +11,11 @@ import ml_collections
 import numpy as np
 import pytest
 
-from ess_jax import layouts, model, rollout, scoring, sharding, steps
 from ess_jax.data import char_tokenizer
+from ess_jax.model import decoder as model
+from ess_jax.model import scoring
+from ess_jax.parallel import sharding
+from ess_jax.rl import rollout, steps
 
 CFG = model.ModelConfig(
     vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -54,7 +57,7 @@ def test_chunked_scoring_pass_equals_one_pass():
     """Catches: the strided row chunks of the prox / reference scoring pass merged back in the
     wrong order (each sequence would get another sequence's pi_prox)."""
     mesh = sharding.make_mesh({"fsdp": 8})
-    params = model.init_params(CFG, 1, layouts.param_shardings(CFG, mesh))
+    params = model.init_params(CFG, 1, model.param_shardings(CFG, mesh))
     rng = np.random.default_rng(1)
     tokens = rng.integers(3, 48, (32, 12)).astype(np.int32)
     mask = np.ones((32, 12), bool)

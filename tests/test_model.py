@@ -6,7 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ess_jax import kv_cache, layouts, model, scoring, sharding, weights
+from ess_jax.io import weights
+from ess_jax.model import decoder as model
+from ess_jax.model import kv_cache, scoring
+from ess_jax.parallel import sharding
 
 TOL = 1e-4  # float32 max abs logit difference allowed against PyTorch
 
@@ -186,7 +189,7 @@ def test_jit_equals_no_jit(tiny):
 def test_sharded_forward_equals_single_device(tiny):
     cfg, params = tiny
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    shardings = layouts.param_shardings(cfg, mesh, "train")
+    shardings = model.param_shardings(cfg, mesh, "train")
     sharded_params = jax.device_put(params, shardings)
     assert sharded_params["layers"][0]["mlp"]["gate"].sharding.spec == jax.P("fsdp", "tensor")
     tokens = _tokens(cfg.vocab_size, b=4)
@@ -243,7 +246,7 @@ def test_dense_is_the_einsum_in_float64_and_checks_shapes():
     2-D matmul. Catches a wrong merge order (e.g. heads and head_dim swapped when flattening
     the o-projection [H, K, D]), a dropped leading axis, and mismatched weights passing
     silently: compared with a float64 numpy einsum on every shape the model uses."""
-    from ess_jax.layers import dense
+    from ess_jax.model.layers import dense
 
     rng = np.random.default_rng(0)
     x3 = rng.normal(size=(2, 5, 6))
@@ -297,7 +300,7 @@ def test_attention_causal_blocks_in_float64(t, offset, chunk):
     off-by-one at the block's end, the offset ignored), a block whose outputs land at the wrong
     rows, and a wrong gradient through the blocks: output and gradients against a float64
     numpy reference and against one unblocked call, with left-padded rows."""
-    from ess_jax import layers
+    from ess_jax.model import layers
 
     rng = np.random.default_rng(t + offset)
     b, n, g, k, s = 2, 2, 2, 8, offset + t + 5  # 5 keys past the last query: always masked

@@ -28,9 +28,10 @@ import pytest
 from safetensors.numpy import load_file
 
 from configs import quickstart
-from ess_jax import experiment, weights
-from ess_jax.checkpoint import COMMIT_MARKER
-from ess_jax.workdir import WorkdirLock
+from ess_jax.io import weights
+from ess_jax.io.checkpoint import COMMIT_MARKER
+from ess_jax.io.workdir import WorkdirLock
+from ess_jax.rl import experiment
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "multihost_worker.py"

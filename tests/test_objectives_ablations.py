@@ -30,7 +30,7 @@ K3_T2 = LN3 + 1 / 3 - 1
 
 def _run(logp, batch, **kw):
     cfg = O.ObjectiveConfig(**kw)
-    fn = lambda lp: O.OBJECTIVES[cfg.name](lp, batch, cfg)
+    fn = lambda lp: O.OBJECTIVES[cfg.name].loss(lp, batch, cfg)
     (loss, metrics), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(logp)
     return float(loss), np.asarray(grad), {k: float(v) for k, v in metrics.items()}
 
@@ -127,11 +127,11 @@ def test_truncated_is_matches_float64_reference(seed, kw):
 
 def test_ablation_and_is_options_are_validated():
     with pytest.raises(ValueError, match="p3o only"):
-        O.ObjectiveConfig(name="grpo", p3o_drop_kl=True)
+        O.paper_config("grpo", p3o_drop_kl=True)
     with pytest.raises(ValueError, match="is_level"):
         O.ObjectiveConfig(name="grpo_tis", is_level="group")
     with pytest.raises(ValueError, match="is_cap"):
         O.ObjectiveConfig(name="grpo_mis", is_cap=1.0, is_cap_low=2.0)
     with pytest.raises(ValueError, match="prox_logp"):
         _run(LOGP, {k: v for k, v in HAND.items() if k != "prox_logp"}, name="grpo_tis")
-    assert {"grpo_tis", "grpo_mis"} <= O.NEEDS_PROX
+    assert {"grpo_tis", "grpo_mis"} <= {n for n, o in O.OBJECTIVES.items() if o.needs_prox}

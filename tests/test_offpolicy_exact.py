@@ -19,7 +19,8 @@ import pytest
 from test_train import coin_reward, tiny_config
 
 from ess_jax import objectives as O
-from ess_jax import scoring, steps, train
+from ess_jax.model import scoring
+from ess_jax.rl import steps, train
 
 _tf_logp = jax.jit(scoring.token_logprobs, static_argnums=0)
 

@@ -1,4 +1,4 @@
-"""The memory planner (ess_jax/memory.py, tools/plan_memory.py) against XLA's own numbers.
+"""The memory planner (ess_jax/memory/planner.py, tools/plan_memory.py) against XLA's own numbers.
 
 XLA's number is argument + output + temp - alias bytes of `compiled.memory_analysis()` (per
 device) of the real train step (steps.make_rl_step on an abstract train state) and of the
@@ -52,15 +52,20 @@ def _train_case(case):
     import jax
     import jax.numpy as jnp
 
-    from ess_jax import layouts, memory, model, objectives, rescore, sharding, steps
-    from ess_jax.optim import make_optimizer
+    from ess_jax import objectives
+    from ess_jax.memory import planner as memory
+    from ess_jax.model import decoder as model
+    from ess_jax.parallel import sharding
+    from ess_jax.rl import steps
+    from ess_jax.rl.optim import make_optimizer
+    from ess_jax.sampling import rescore
 
     cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
     mesh = sharding.make_mesh({"fsdp": case["devices"]}, jax.devices()[: case["devices"]])
     tx = make_optimizer(OPTIM)
     with_sh = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     params = jax.tree.map(
-        with_sh, model.abstract_params(cfg), layouts.param_shardings(cfg, mesh, "train")
+        with_sh, model.abstract_params(cfg), model.param_shardings(cfg, mesh, "train")
     )
     state, state_sh = _abstract_state(params, tx)
     b, p, t = case["rows"], case["prompt"], case["prompt"] + case["response"]
@@ -75,7 +80,7 @@ def _train_case(case):
     obj = objectives.ObjectiveConfig(kl_estimator="full" if full else "k3")
     args, fk = (state, batch), None
     if full:  # re-scored with other (e.g. lagged) params: the step's third argument
-        psh = layouts.param_shardings(cfg, mesh, "train")
+        psh = model.param_shardings(cfg, mesh, "train")
         fk = steps.FullKL(rescore.Behaviour(), {"policy": params}, {"policy": psh})
         args = (state, batch, {"policy": params})
     step = steps.make_rl_step(cfg, tx, obj, 1, p, state_sh, bsh, full=fk)
@@ -98,7 +103,7 @@ def _abstract_state(params, tx):
     import jax
     import optax
 
-    from ess_jax import steps
+    from ess_jax.rl import steps
 
     mesh = jax.tree.leaves(params)[0].sharding.mesh
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -116,9 +121,13 @@ def _sample_case(case):
     import jax
     import jax.numpy as jnp
 
-    from ess_jax import decode as decode_lib
-    from ess_jax import kv_cache, layouts, memory, model, sampler, sharding
-    from ess_jax import precision as precision_lib
+    from ess_jax.memory import planner as memory
+    from ess_jax.model import decoder as model
+    from ess_jax.model import kv_cache
+    from ess_jax.parallel import sharding
+    from ess_jax.sampling import decode as decode_lib
+    from ess_jax.sampling import precision as precision_lib
+    from ess_jax.sampling import sampler
 
     n_dev, precision = case["devices"], case["precision"]
     cfg = model.ModelConfig(**MODEL, logits_chunk=case["chunk"])
@@ -129,7 +138,7 @@ def _sample_case(case):
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             params,
-            layouts.param_shardings(cfg, mesh, "sample"),
+            model.param_shardings(cfg, mesh, "sample"),
         )
     if precision != "float32":
         params = jax.eval_shape(precision_lib.prepare_fn(precision), params)
@@ -234,7 +243,7 @@ def test_plan_counts_the_full_kl_rescore():
     and with lag 0 and several updates per batch the params copy pi_b is re-scored with), so a
     run it says fits could run out of memory in its first update."""
     from configs.paper import e1_clip_sweep
-    from ess_jax import memory
+    from ess_jax.memory import planner as memory
 
     c = e1_clip_sweep.get_config("p3o,v5p-8")
     c.rollout.lag, c.train.updates_per_batch = 0, 2

@@ -11,7 +11,7 @@ import jax
 import pytest
 from test_train import coin_reward, tiny_config
 
-from ess_jax import dynamic_sampling, train
+from ess_jax.rl import dynamic_sampling, train
 
 # jax._src.dispatch.BACKEND_COMPILE_EVENT; should jax rename it, the warm-up check below fails
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"

@@ -103,7 +103,7 @@ def test_arm_names_split_into_setting_and_objective():
 
 def test_every_mini_arm_builds_a_valid_config():
     """Each arm of every configs/mini experiment loads and validates (warm start path faked)."""
-    from ess_jax import experiment
+    from ess_jax.rl import experiment
 
     for exp in reproduce.EXPERIMENTS:
         for arm in reproduce.arms_of(exp):

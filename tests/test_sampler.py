@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from ess_jax import model, precision, sampler, scoring, sharding
+from ess_jax.model import decoder as model
+from ess_jax.model import scoring
+from ess_jax.parallel import sharding
+from ess_jax.sampling import precision, sampler
 
 V, D, F, H, N, K = 32, 32, 64, 4, 2, 8
 NS, T = 600, 8  # samples per prompt, new tokens

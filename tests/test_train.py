@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from configs import quickstart
-from ess_jax import accumulate, train, weights
-from ess_jax import model as model_lib
-from ess_jax.metrics import read_metrics
+from ess_jax.io import weights
+from ess_jax.model import decoder as model_lib
+from ess_jax.objectives import scopes as accumulate
+from ess_jax.rl import train
+from ess_jax.rl.metrics import read_metrics
 
 
 def tiny_config(**overrides):

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ess_jax import gguf_llama, hf_layout, kv_cache, layouts, model, sharding, weights
+from ess_jax.io import gguf_llama, hf_layout, weights
+from ess_jax.model import decoder as model
+from ess_jax.model import kv_cache
+from ess_jax.parallel import sharding
 
 CFG = model.ModelConfig(
     vocab_size=128,
@@ -168,7 +171,7 @@ def test_sharded_files_and_sharded_load(tmp_path, params):
     cfg, loaded = weights.load_hf(tmp_path, mesh=mesh, dtype="bfloat16")
     assert cfg == CFG.replace(dtype="bfloat16")
     _assert_tree_equal(loaded, params)
-    want = layouts.param_shardings(cfg, mesh, "train")
+    want = model.param_shardings(cfg, mesh, "train")
     jax.tree.map(lambda x, s: assert_sharding(x, s), loaded, want)
     assert loaded["layers"][0]["attn"]["q"].sharding.spec == jax.P("fsdp", "tensor", None)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(loaded))

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import pytest
 
 from configs import quickstart
-from ess_jax import train
-from ess_jax.checkpoint import Checkpointer, CheckpointError
-from ess_jax.metrics import eval_summary, read_metrics
-from ess_jax.workdir import WorkdirError, WorkdirLock
+from ess_jax.io.checkpoint import Checkpointer, CheckpointError
+from ess_jax.io.workdir import WorkdirError, WorkdirLock
+from ess_jax.rl import train
+from ess_jax.rl.metrics import eval_summary, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {  # 1 RL step; checkpoints and evals at 0 and 1; eval shapes = rollout shapes

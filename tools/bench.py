@@ -203,7 +203,7 @@ def run(s: Sizes, compile_torch: bool = True) -> dict:
     from bench_rl import bench_rl
     from bench_train import bench_train, gemm_ceiling
 
-    from ess_jax import model
+    from ess_jax.model import decoder as model
 
     load0 = os.getloadavg()[0]
     mesh = one_device_mesh()

@@ -135,7 +135,7 @@ def hf_llama(s: Sizes):
 def one_device_mesh():
     """The bench's mesh: one device, one process using every core (more CPU devices, as the
     tests' fake 8, would only split the same cores)."""
-    from ess_jax import sharding
+    from ess_jax.parallel import sharding
 
     return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
 
@@ -144,7 +144,7 @@ def build_models(s: Sizes, mesh):
     """(hf, cfg, params): the torch model and the same weights in ess_jax, passed through the
     real exporter/loader (save_pretrained -> weights.load_hf) so both sides run identical
     weights; params are placed on `mesh` in the train layout."""
-    from ess_jax import weights
+    from ess_jax.io import weights
 
     hf = hf_llama(s)
     with tempfile.TemporaryDirectory() as d:
@@ -159,7 +159,7 @@ def max_logit_diff(hf, cfg, params, tokens_BxT) -> float:
     import numpy as np
     import torch
 
-    from ess_jax import model
+    from ess_jax.model import decoder as model
 
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(np.asarray(tokens_BxT), dtype=torch.long)).logits

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from bench_common import Sizes, left_padded_prompts, median, time_round_robin
 
-from ess_jax import decode as decode_lib
-from ess_jax import sampler
+from ess_jax.sampling import decode as decode_lib
+from ess_jax.sampling import sampler
 
 
 def runner_static(n: int, mode: str) -> decode_lib.Static:

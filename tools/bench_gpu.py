@@ -107,7 +107,7 @@ def say(msg: str) -> None:
 
 
 def model_config(s: Sizes):
-    from ess_jax import model
+    from ess_jax.model import decoder as model
 
     return model.ModelConfig(
         vocab_size=s.vocab,
@@ -152,7 +152,8 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
     from bench_decode import jax_runner
     from bench_train import jax_trainer
 
-    from ess_jax import layouts, model, precision
+    from ess_jax.model import decoder as model
+    from ess_jax.sampling import precision
 
     if s != TINY and jax.devices()[0].platform == "cpu":  # a broken CUDA plugin falls back
         raise SystemExit("bench_gpu: jax sees no GPU (jax.devices() is CPU only); not running")
@@ -180,7 +181,7 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
 
     cfg = model_config(s)
     mesh = one_device_mesh()
-    params = model.init_params(cfg, 0, layouts.param_shardings(cfg, mesh, "train"))
+    params = model.init_params(cfg, 0, model.param_shardings(cfg, mesh, "train"))
     res["params"] = model.num_params(params)
     batch = train_batch(s)
     res["train"] = {}

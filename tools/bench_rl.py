@@ -27,12 +27,13 @@ import numpy as np
 from bench_common import CompileCounter, Sizes, left_padded_prompts, median, paired, train_flops
 from bench_train import OPTIM
 
-from ess_jax import defaults, steps
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
-from ess_jax import rollout as rollout_lib
-from ess_jax import sharding as sharding_lib
-from ess_jax.optim import make_optimizer
+from ess_jax.config import defaults
+from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.rl import rollout as rollout_lib
+from ess_jax.rl import steps
+from ess_jax.rl.optim import make_optimizer
 
 
 class _Stopwatch:
@@ -67,7 +68,7 @@ def variants(s: Sizes) -> list[tuple[str, int, obj_lib.ObjectiveConfig]]:
     out = []
     for m in s.microbatches:
         for name in s.rl_objectives:
-            out.append((f"{name} M={m}", m, obj_lib.ObjectiveConfig.paper_defaults(name)))
+            out.append((f"{name} M={m}", m, obj_lib.paper_config(name)))
         if m > 1:
             cfg = obj_lib.ObjectiveConfig(ess_scope="microbatch")
             out.append((f"p3o[microbatch scope] M={m}", m, cfg))
@@ -96,7 +97,7 @@ def bench_rl(cfg, params, mesh, s: Sizes) -> dict:
     for label, m, ocfg in variants(s):
         step = steps.make_rl_step(cfg, tx, ocfg, m, s.rl_prompt, state_sh, batch_sh)
         score = None
-        if ocfg.name in obj_lib.NEEDS_PROX:
+        if obj_lib.get_objective(ocfg.name).needs_prox:
             score = steps.score_fn(cfg, s.rl_prompt, mesh, m)
         runs[label] = (step, score)
 

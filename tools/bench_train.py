@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from bench_common import Sizes, median, time_round_robin, train_flops
 
-from ess_jax import scoring, steps
-from ess_jax import sharding as sharding_lib
-from ess_jax.advantages import broadcast_to_tokens, group_advantages
+from ess_jax.model import scoring
 from ess_jax.objectives import ObjectiveConfig
-from ess_jax.optim import make_optimizer
+from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.rl import steps
+from ess_jax.rl.advantages import broadcast_to_tokens, group_advantages
+from ess_jax.rl.optim import make_optimizer
 
 # Both sides' AdamW (betas 0.9 / 0.999, eps 1e-8: both libraries' defaults).
 OPTIM = {"lr": 1e-5, "weight_decay": 0.01, "max_grad_norm": 0.0, "schedule": "constant"}

@@ -37,7 +37,7 @@ BENCHMARKS = {
 
 def pass_table(correct_NxK: np.ndarray) -> dict[int, float]:
     """{j: mean over problems of the unbiased pass@j} for j = 1, 2, 4, ... <= k samples."""
-    from ess_jax.evaluate import pass_at_k
+    from ess_jax.rl.heldout import pass_at_k
 
     n, k = correct_NxK.shape
     hits = correct_NxK.sum(-1)
@@ -74,8 +74,8 @@ def evaluate_all(policy, tokenizer, stop_ids, benchmarks, args, reward=None) -> 
     import jax
     import ml_collections
 
-    from ess_jax import evaluate as eval_lib
     from ess_jax.rewards import get_reward
+    from ess_jax.rl import heldout as eval_lib
 
     reward = reward or get_reward("math")
     rows = []
@@ -148,8 +148,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown benchmarks {sorted(unknown)}; valid: {', '.join(BENCHMARKS)}")
 
-    from ess_jax import experiment, rollout, sampler, sharding
-    from ess_jax.defaults import base_config
+    from ess_jax.config.defaults import base_config
+    from ess_jax.parallel import sharding
+    from ess_jax.rl import experiment, rollout
+    from ess_jax.sampling import sampler
 
     sharding.maybe_initialize_distributed()
     mesh_shape = {a: int(s) for a, s in (x.split("=") for x in args.mesh.split(","))}

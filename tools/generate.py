@@ -55,7 +55,8 @@ def main(argv=None) -> None:
 
     import jax
 
-    from ess_jax import sampler, weights
+    from ess_jax.io import weights
+    from ess_jax.sampling import sampler
 
     path = args.checkpoint or weights.smollm2_gguf_path()
     t0 = time.perf_counter()

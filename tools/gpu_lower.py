@@ -65,8 +65,12 @@ def programs(s):
     from bench_decode import runner_static
     from bench_train import OPTIM, make_optimizer
 
-    from ess_jax import kv_cache, model, precision, sampler, sharding, steps
+    from ess_jax.model import decoder as model
+    from ess_jax.model import kv_cache
     from ess_jax.objectives import ObjectiveConfig
+    from ess_jax.parallel import sharding
+    from ess_jax.rl import steps
+    from ess_jax.sampling import precision, sampler
 
     cfg = bench_gpu.model_config(s)
     mesh = one_device_mesh()

@@ -8,7 +8,8 @@ Prints the resident buffers (params, AdamW state, policy history, external model
 transients (train step, sampling, eval, history push) and, on the last line, the peak and
 whether it fits. The device and device count come from the preset named after the arm
 (`8xh100`, `8xh200`, `v5p-8`, `v5e-16`; the paper configs default to 8xh100) or from
---device / --num_devices. Runs on the CPU, allocates nothing: shapes only (ess_jax/memory.py).
+--device / --num_devices. Runs on the CPU, allocates nothing:
+shapes only (ess_jax/memory/planner.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # config files import configs.*
     sys.path.insert(0, ROOT)
 
-from ess_jax import memory, presets  # noqa: E402
+from ess_jax.config import presets  # noqa: E402
+from ess_jax.memory import planner as memory  # noqa: E402
 
 
 def load_config(spec: str):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ml_collections.config_dict import placeholder
 
-from ess_jax.defaults import base_config
+from ess_jax.config.defaults import base_config
 
 STEPS = 150
 

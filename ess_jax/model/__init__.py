@@ -1,0 +1,27 @@
+"""The policy: a Flax NNX decoder of the Llama / Qwen2 / Qwen3 families (decoder.py) built from
+the layers in layers.py, its KV cache (kv_cache.py), and the teacher-forced log-probs the trainer
+differentiates (scoring.py)."""
+
+from ess_jax.model.decoder import (
+    ModelConfig,
+    Params,
+    abstract_params,
+    forward,
+    init_params,
+    logical_axes,
+    num_params,
+    param_shardings,
+)
+from ess_jax.model.scoring import token_logprobs
+
+__all__ = [
+    "ModelConfig",
+    "Params",
+    "abstract_params",
+    "forward",
+    "init_params",
+    "logical_axes",
+    "num_params",
+    "param_shardings",
+    "token_logprobs",
+]

@@ -1,0 +1,95 @@
+"""Teacher-forced log-probs of given tokens under a model: what the trainer differentiates, what
+the old-logp pass and the checks against the sampler's recorded log-probs read.
+
+Axis alphabet: B rows, T sequence length (prompt + response), R scored positions (T - start),
+C a chunk of R, D model width, V vocab.
+
+  token_logprobs(cfg, params, tokens_BxT, mask_BxT, return_entropy, start) -> logp_BxR
+
+Only the scored positions go through the LM head: with `start` = the prompt width, an RL step
+spends no vocabulary-sized matmul, softmax or backward on prompt positions (whose log-probs it
+would drop). With `cfg.logits_chunk` > 0 the [B, R, V] logits never exist at once: the LM head
+runs `logits_chunk` positions at a time, each chunk recomputed in the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ess_jax.model import decoder as model_lib
+from ess_jax.objectives.kl import entropy_from_logits
+
+
+def logprobs_from_logits(logits_BxTxV: jax.Array, tokens_BxT: jax.Array) -> jax.Array:
+    """log softmax(logits)[token] at each position, float32 in float32 out."""
+    logz = jax.nn.logsumexp(logits_BxTxV, axis=-1)
+    picked = jnp.take_along_axis(logits_BxTxV, tokens_BxT[..., None], axis=-1)[..., 0]
+    return picked - logz
+
+
+def over_time(fn: Callable, chunk: int, *xs_BxTx_):
+    """fn on [B, C, ...] slices of its [B, T, ...] arguments, `chunk` positions at a time (each
+    recomputed in the backward pass); outputs ([B, C] trees) merged back to [B, T]. chunk <= 0
+    or >= T: one call."""
+    t = xs_BxTx_[0].shape[1]
+    if chunk <= 0 or t <= chunk:
+        return fn(*xs_BxTx_)
+    pad = -t % chunk
+
+    def split(a):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(a.shape[0], -1, chunk, *a.shape[2:]), 1, 0)
+
+    out = jax.lax.map(lambda a: jax.checkpoint(fn)(*a), tuple(split(x) for x in xs_BxTx_))
+    return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1)[:, :t], out)
+
+
+def scored_hidden(cfg, params, tokens_BxT, mask_BxT, start: int):
+    """(bound module, hidden states [B, T - start, D]): the final hidden states that predict
+    tokens[:, start:] (position t - 1 predicts token t; start >= 1), for the LM head."""
+    module = model_lib.bind(cfg, params)
+    positions = model_lib.positions_from_mask(mask_BxT)
+    x, _ = module.hidden(cfg, tokens_BxT, positions, mask_BxT)
+    return module, x[:, start - 1 : -1]
+
+
+def token_logprobs(
+    cfg: model_lib.ModelConfig,
+    params: model_lib.Params,
+    tokens_BxT: jax.Array,
+    mask_BxT: jax.Array | None = None,
+    return_entropy: bool = False,
+    start: int = 0,
+):
+    """log pi(tokens[t] | tokens[<t]) for t in [start, T), float32, aligned with
+    tokens[:, start:] (so [B, T] at the default start 0).
+
+    Position 0 (no context) and masked positions get 0. With `return_entropy`, also the
+    full-distribution entropy of the prediction of each scored token. `start` (static) is where
+    the scored tokens begin, e.g. the prompt width of an RL batch.
+    """
+    t = tokens_BxT.shape[1]
+    if not 0 <= start < t:
+        raise ValueError(f"start {start}: must be in [0, {t}) for sequences of length {t}")
+    if mask_BxT is None:
+        mask_BxT = jnp.ones(tokens_BxT.shape, bool)
+    mask_BxT = mask_BxT.astype(bool)
+    first = max(start, 1)  # the first token that has a context
+    module, x_BxRxD = scored_hidden(cfg, params, tokens_BxT, mask_BxT, first)
+    targets_BxR = tokens_BxT[:, first:]
+
+    def score(x_BxCxD, tgt_BxC):
+        logits = module.logits(cfg, x_BxCxD)
+        lp = logprobs_from_logits(logits, tgt_BxC)
+        return lp, (entropy_from_logits(logits) if return_entropy else jnp.zeros_like(lp))
+
+    lp, ent = over_time(score, cfg.logits_chunk, x_BxRxD, targets_BxR)
+    valid = mask_BxT[:, first:]
+    no_context = ((0, 0), (first - start, 0))  # start 0: position 0's zero column
+    logp = jnp.pad(jnp.where(valid, lp, 0.0), no_context)
+    if not return_entropy:
+        return logp
+    return logp, jnp.pad(jnp.where(valid, ent, 0.0), no_context)

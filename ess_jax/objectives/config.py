@@ -1,0 +1,81 @@
+"""ObjectiveConfig: the knobs of every objective, one flat record (the experiment config's
+`objective` section), with the checks that need no objective record.
+
+Which fields an objective reads, its paper clip range and what it refuses are its record's
+(`registry.Objective`); `registry.objective_config` builds an ObjectiveConfig from the
+experiment config and applies both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ess_jax.config.schema import ESS_SCOPES
+from ess_jax.objectives.kl import KL_ESTIMATORS
+
+SCOPES = ESS_SCOPES  # meanings: scopes.py
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+DUAL_VERSIONS = ("two_kl", "mixture")
+IS_LEVELS = ("token", "sequence")
+# kl_estimator "full": the exact KL to pi_b's whole distribution, which the train step re-scores
+# (ess_jax/sampling/rescore.py) and hands over as batch["kl_full"].
+FULL_KL = "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+    """Objective knobs; defaults are the P3O reference-code behaviour, except ess_scope ("step",
+    invariant to micro-batching; "microbatch" is the reference code's)."""
+
+    name: str = "p3o"  # a key of registry.OBJECTIVES
+    # "step" (invariant to micro-batching) | "microbatch" (reference code default) |
+    # "microbatch_local" (per-micro-batch denominators too); see scopes.py
+    ess_scope: str = "step"
+    kl_estimator: str = "k3"  # KL to pi_b / pi_prox / pi_mix: k1 | k2 | k3 | full (p3o only)
+    ref_kl_estimator: str = "k3"  # KL to the frozen reference (beta_kl)
+    aggregation: str = "token_mean"  # see AGGREGATIONS
+    constant_normalizer: float = 1.0  # "constant": sum / (num_seqs * constant_normalizer)
+    clip_eps_low: float = 0.2  # grpo/dapo/cispo/gspo/decoupled_ppo (paper clips for dapo/gspo)
+    clip_eps_high: float = 0.2
+    dual_version: str = "mixture"  # p3o_dual: "two_kl" | "mixture" (reference HEAD)
+    dual_kl_gate: float = 1e-6  # mixture: KL term skipped when 1 - e_mix <= gate
+    behaviour_weight_cap: float | None = None  # decoupled_ppo: cap on pi_prox / pi_b
+    beta_kl: float = 0.0  # KL to frozen reference (needs batch["ref_logp"])
+    beta_ent: float = 0.0  # entropy bonus (batch["entropy"] if given, else proxy -logp)
+    # P3O taken apart (ablations, docs/method.md): "cap only" drops the (1 - ESS) KL term; "KL
+    # only" weights the score function by sg(rho) instead of sg(min(rho, ESS)). Off by default.
+    p3o_drop_kl: bool = False
+    p3o_drop_cap: bool = False
+    # grpo_tis / grpo_mis: behaviour weight w = pi_old / pi_b, token- or sequence-level;
+    # TIS multiplies the loss by min(w, is_cap); MIS masks tokens (sequences) with w outside
+    # [is_cap_low, is_cap].
+    is_level: str = "token"
+    is_cap: float = 2.0
+    is_cap_low: float = 0.0
+
+    def __post_init__(self):
+        choices = {
+            "ess_scope": SCOPES,
+            "kl_estimator": (*KL_ESTIMATORS, FULL_KL),
+            "ref_kl_estimator": KL_ESTIMATORS,
+            "aggregation": AGGREGATIONS,
+            "dual_version": DUAL_VERSIONS,
+            "is_level": IS_LEVELS,
+        }
+        for field, valid in choices.items():
+            if getattr(self, field) not in valid:
+                raise ValueError(f"{field}={getattr(self, field)!r}; valid: {sorted(valid)}")
+        if self.constant_normalizer <= 0:
+            raise ValueError(f"constant_normalizer must be > 0, got {self.constant_normalizer}")
+        if min(self.clip_eps_low, self.clip_eps_high) < 0:
+            raise ValueError("clip_eps_low and clip_eps_high must be >= 0")
+        if self.behaviour_weight_cap is not None and self.behaviour_weight_cap <= 0:
+            raise ValueError(f"behaviour_weight_cap must be > 0, got {self.behaviour_weight_cap}")
+        if not 0.0 <= self.is_cap_low < self.is_cap:
+            raise ValueError(
+                f"need 0 <= is_cap_low < is_cap, got is_cap_low={self.is_cap_low}, "
+                f"is_cap={self.is_cap}"
+            )
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(ObjectiveConfig))

@@ -1,0 +1,202 @@
+"""The policy losses: the ESS objective (P3O), its dual anchor, and the baselines.
+
+Axis alphabet: B batch (sequences / packed rows), T time.
+
+Each is `loss(logp_BxT, batch, config) -> (loss, metrics)`, registered with its facts in
+registry.py. `logp_BxT` is the trainer's float32 log-prob of the sampled tokens (it carries the
+gradient) and `batch` holds
+  behaviour_logp, advantages, mask      [B, T]  (required; mask bool or float)
+  prox_logp, ref_logp, entropy          [B, T]  (optional)
+  kl_full, rescored_behaviour_logp      [B, T]  (p3o with kl_estimator "full": sampling/rescore.py)
+  seq_ids                               [B, T]  int, index in [0, T) of a packed sequence in its row
+  ess, ess_prox, num_tokens, num_seqs   scalars (optional step statistics, core.step_statistics)
+A loss is a SUM over the tokens given divided by normalisers from the step statistics. When the
+normalisers (num_tokens, num_seqs) describe the whole optimizer batch, the losses, gradients and
+additive metrics of micro-batches add up to the batch's; scopes.py relies on this to apply
+ObjectiveConfig.ess_scope.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ess_jax.objectives.config import FULL_KL, ObjectiveConfig
+from ess_jax.objectives.core import (
+    Batch,
+    Metrics,
+    aux_logp,
+    finish,
+    ppo_clip,
+    prepare,
+    seq_sum,
+)
+from ess_jax.objectives.kl import get_kl_estimator
+
+
+def p3o(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """-sg(min(rho, e)) logp A + (1 - e) KL(pi || pi_b): no hyper-parameters (docs/method.md)."""
+    c = prepare(logp_BxT, batch, config)
+    ess = c.stats["ess"]
+    weight = c.rho if config.p3o_drop_cap else jnp.minimum(c.rho, ess)
+    pg = -jax.lax.stop_gradient(weight) * c.logp * c.adv
+    kl_w = 0.0 if config.p3o_drop_kl else 1.0 - ess
+    if config.kl_estimator == FULL_KL:
+        kl, extras = _full_kl(c, batch)
+    else:
+        kl, extras = get_kl_estimator(config.kl_estimator)(c.logp, c.blogp), None
+    capped = jnp.zeros_like(c.mask) if config.p3o_drop_cap else c.rho > ess
+    return finish(c, batch, config, pg + kl_w * kl, pg, capped, extras)
+
+
+def _full_kl(c, batch: Batch) -> tuple[jax.Array, Metrics]:
+    """batch["kl_full"] (it carries pi's gradient) and its metrics: the token mean, and the
+    largest gap between the re-scored and the recorded log pi_b(y_t) (float32 rounding, ~1e-6,
+    unless the re-score is not the distribution the sampler drew from)."""
+    if "kl_full" not in batch:
+        raise ValueError(
+            "kl_estimator='full' needs batch['kl_full'], the train step's re-score of pi_b "
+            "(ess_jax/sampling/rescore.py)"
+        )
+    kl = jnp.where(c.mask, batch["kl_full"].astype(jnp.float32), 0.0)
+    gap = jnp.abs(aux_logp(batch, "rescored_behaviour_logp", c.mask, "p3o") - c.blogp)
+    sg = jax.lax.stop_gradient
+    return kl, {"kl_behaviour_full": jnp.sum(c.metric_w * sg(kl)), "rescore_err": jnp.max(gap)}
+
+
+def p3o_dual(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """Dual anchor (P4O): caps at min(e_b, e_prox); "two_kl" or "mixture" trust region."""
+    c = prepare(logp_BxT, batch, config)
+    prox = aux_logp(batch, "prox_logp", c.mask, config.name)
+    kl_fn = get_kl_estimator(config.kl_estimator)
+    e_b, e_p = c.stats["ess"], c.stats["ess_prox"]
+    e_mix = jnp.minimum(e_b, e_p)
+    pg = -jax.lax.stop_gradient(jnp.minimum(c.rho, e_mix)) * c.logp * c.adv
+    if config.dual_version == "two_kl":
+        trust = (1.0 - e_b) * kl_fn(c.logp, c.blogp) + (1.0 - e_p) * kl_fn(c.logp, prox)
+    else:
+        w_b, w_p = jnp.maximum(0.0, 1.0 - e_b), jnp.maximum(0.0, 1.0 - e_p)
+        gate = (1.0 - e_mix) > config.dual_kl_gate
+        # 1e-30 (reference eps_log) keeps log finite when one weight is 0; the live anchor then
+        # dominates. With the gate closed, w_b + w_p may be 0: divide by 1 instead (term is 0).
+        log_mix = jnp.logaddexp(
+            jnp.log(w_b + 1e-30) + c.blogp, jnp.log(w_p + 1e-30) + prox
+        ) - jnp.log(jnp.where(gate, w_b + w_p, 1.0))
+        trust = jnp.where(gate, 1.0 - e_mix, 0.0) * kl_fn(c.logp, log_mix)
+    extras = {"ess_prox": e_p, "ess_mix": e_mix}
+    return finish(c, batch, config, pg + trust, pg, c.rho > e_mix, extras)
+
+
+def grpo(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """PPO clip: -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A). Also DAPO's loss."""
+    c = prepare(logp_BxT, batch, config)
+    pg, capped = ppo_clip(c.rho, c.adv, config)
+    return finish(c, batch, config, pg, pg, capped)
+
+
+def cispo(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """-sg(clip(rho, 1 - eps_low, 1 + eps_high)) logp A (two-sided clip, as the reference code)."""
+    c = prepare(logp_BxT, batch, config)
+    lo, hi = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
+    pg = -jax.lax.stop_gradient(jnp.clip(c.rho, lo, hi)) * c.logp * c.adv
+    return finish(c, batch, config, pg, pg, (c.rho > hi) | (c.rho < lo))
+
+
+def _gspo(logp_BxT, batch, config, token_level: bool):
+    c = prepare(logp_BxT, batch, config)
+    seq_ids = batch.get("seq_ids")
+    seq_len = jnp.maximum(seq_sum(c.maskf, seq_ids), 1.0)
+    seq_log_ratio = seq_sum(c.log_ratio * c.maskf, seq_ids) / seq_len  # length-normalised
+    if token_level:  # s_i,t = sg(s_i) * pi / sg(pi): per-token advantages allowed
+        sg = jax.lax.stop_gradient
+        seq_log_ratio = sg(seq_log_ratio) + c.logp - sg(c.logp)
+    pg, capped = ppo_clip(jnp.exp(seq_log_ratio), c.adv, config)
+    return finish(c, batch, config, pg, pg, capped)
+
+
+def gspo(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """GSPO: PPO clip on the sequence ratio exp(mean_t log rho); the GSPO paper's aggregation
+    is seq_mean_token_mean (the reference code uses the global token mean)."""
+    return _gspo(logp_BxT, batch, config, token_level=False)
+
+
+def gspo_token(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """GSPO-token: same value and (for per-sequence A) same gradient as GSPO."""
+    return _gspo(logp_BxT, batch, config, token_level=True)
+
+
+def decoupled_ppo(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """-w min(r A, clip(r) A), r = pi / pi_prox, w = pi_prox / pi_b (capped if configured)."""
+    c = prepare(logp_BxT, batch, config)
+    prox = aux_logp(batch, "prox_logp", c.mask, config.name)
+    weight = jnp.exp(prox - c.blogp)
+    weight_capped = jnp.zeros_like(c.mask)
+    if config.behaviour_weight_cap is not None:
+        weight_capped = weight > config.behaviour_weight_cap
+        weight = jnp.minimum(weight, config.behaviour_weight_cap)
+    clip_loss, capped = ppo_clip(jnp.exp(c.logp - prox), c.adv, config)
+    pg = weight * clip_loss
+    extras = {
+        "ess_prox": c.stats["ess_prox"],
+        "behaviour_weight_mean": jnp.sum(c.metric_w * weight),
+        "behaviour_capped_frac": jnp.sum(c.metric_w * weight_capped),
+    }
+    return finish(c, batch, config, pg, pg, capped, extras)
+
+
+def _truncated_is(logp_BxT, batch, config, masked: bool):
+    """GRPO's clip against pi_old (the trainer's re-score before the first update, batch
+    "prox_logp") times the stop-gradient behaviour weight w = pi_old / pi_b: truncated at
+    is_cap (TIS) or masked outside [is_cap_low, is_cap] (MIS); per token or per sequence
+    (w = prod_t over the sequence, computed in log space)."""
+    c = prepare(logp_BxT, batch, config)
+    old = aux_logp(batch, "prox_logp", c.mask, config.name)
+    log_w = (old - c.blogp) * c.maskf
+    if config.is_level == "sequence":
+        log_w = seq_sum(log_w, batch.get("seq_ids"))
+    log_cap = jnp.log(config.is_cap)
+    if masked:
+        low = jnp.log(config.is_cap_low) if config.is_cap_low > 0 else -jnp.inf
+        outside = (log_w > log_cap) | (log_w < low)
+        weight = jnp.where(outside, 0.0, jnp.exp(jnp.minimum(log_w, log_cap)))
+    else:
+        outside = log_w > log_cap
+        weight = jnp.exp(jnp.minimum(log_w, log_cap))
+    weight = jax.lax.stop_gradient(jnp.where(c.mask, weight, 0.0))
+    clip_loss, capped = ppo_clip(jnp.exp(c.logp - old), c.adv, config)
+    pg = weight * clip_loss
+    extras = {
+        "ess_prox": c.stats["ess_prox"],
+        "behaviour_weight_mean": jnp.sum(c.metric_w * weight),
+        "behaviour_capped_frac": jnp.sum(c.metric_w * (outside & c.mask)),
+    }
+    return finish(c, batch, config, pg, pg, capped, extras)
+
+
+def grpo_tis(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """GRPO with truncated importance sampling: -min(w, C) min(r A, clip(r) A), r = pi / pi_old."""
+    return _truncated_is(logp_BxT, batch, config, masked=False)
+
+
+def grpo_mis(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """GRPO with masked importance sampling: tokens (sequences) whose w leaves the band drop out."""
+    return _truncated_is(logp_BxT, batch, config, masked=True)
+
+
+def reinforce(
+    logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
+) -> tuple[jax.Array, Metrics]:
+    """Plain on-policy REINFORCE: -logp A (no importance weight)."""
+    c = prepare(logp_BxT, batch, config)
+    pg = -c.logp * c.adv
+    return finish(c, batch, config, pg, pg, jnp.zeros_like(c.mask))

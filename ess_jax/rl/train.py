@@ -1,0 +1,402 @@
+"""The RL loop: `Run` (build, SFT warm-up, rollout -> reward -> advantages -> updates, eval,
+checkpoints, export) and `run`, the entry point of `ess_jax.main`. The jitted steps it calls
+are in `ess_jax.rl.steps`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from ess_jax import objectives as obj_lib
+from ess_jax import rewards as rewards_lib
+from ess_jax.config.schema import UserError
+from ess_jax.data import PromptBatcher, sft_batches
+from ess_jax.data.noise import corrupt_demonstrations
+from ess_jax.io import workdir as workdir_lib
+from ess_jax.io.checkpoint import Checkpointer
+from ess_jax.model import decoder as model_lib
+from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.rl import dynamic_sampling, experiment, steps
+from ess_jax.rl import heldout as eval_lib
+from ess_jax.rl import rollout as rollout_lib
+from ess_jax.rl.metrics import MetricsWriter, eval_summary, plot_run, progress_postfix
+from ess_jax.rl.optim import learning_rate_schedule, make_optimizer
+
+MAX_NONFINITE_IN_A_ROW = 3
+
+
+class NonFiniteError(UserError, RuntimeError):
+    pass
+
+
+class Run:
+    """Everything one RL run holds; `run(config, workdir)` drives it. It holds the workdir's
+    lock from construction to the end of `run()` (or `close()`)."""
+
+    def __init__(self, config, workdir: str, allow_config_change=()):
+        sharding_lib.maybe_initialize_distributed()  # before validate: it counts devices
+        experiment.validate(config)
+        self.config, self.workdir = config, os.path.abspath(workdir)
+        self.ckpt = Checkpointer(
+            os.path.join(self.workdir, "checkpoints"), keep=config.train.keep_checkpoints
+        )
+        self._lock = workdir_lib.claim(
+            self.workdir,
+            config,
+            self.ckpt,
+            allow_config_change,
+            primary=jax.process_index() == 0,
+            num_processes=jax.process_count(),
+        )
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the workdir."""
+        if self._lock is not None:
+            self._lock.release()
+
+    def _build(self, config) -> None:
+        self.mesh = sharding_lib.make_mesh(dict(config.mesh))
+        self.cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
+        self.stop_ids = experiment.stop_ids(config, self.tokenizer)
+        self.rollout_cfg = _with_stop_ids(config.rollout, self.stop_ids)
+        self.train_examples, self.test_examples = experiment.load_examples(config.task)
+        self.reward_fn = rewards_lib.get_reward(config.task.reward)
+        self.sample_sh = model_lib.param_shardings(self.cfg, self.mesh, "sample")
+        self.obj_cfg = obj_lib.objective_config(config.objective.to_dict())
+        ocfg = {
+            **config.optim.to_dict(),
+            "total_steps": config.train.steps * config.train.updates_per_batch,
+        }
+        self.tx = make_optimizer(ocfg)
+        self.lr_schedule = learning_rate_schedule(ocfg)
+        self.state, self.state_sh = steps.init_state(params, self.tx, self.mesh)
+        self.batcher = PromptBatcher(
+            self.train_examples,
+            self.tokenizer,
+            config.data.prompts_per_step,
+            buckets=tuple(config.data.buckets),
+            seed=config.seed,
+        )
+        self.history = rollout_lib.ParamHistory(config.rollout.lag)
+        self.external = None
+        if config.rollout.external_fraction > 0:
+            ecfg, eparams, _ = experiment.load_policy(
+                _with_source(config.model, config.rollout.external_checkpoint),
+                self.mesh,
+                need_tokenizer=False,
+            )
+            if ecfg.vocab_size != self.cfg.vocab_size:
+                experiment.fail(
+                    "rollout.external_checkpoint",
+                    f"vocab size {ecfg.vocab_size} != policy's {self.cfg.vocab_size}",
+                )
+            # kept in the train layout (FSDP-sharded); gathered only while it samples
+            self.external = rollout_lib.PolicySource(ecfg, eparams, -1)
+        self.ref_params = None
+        self.rng = jax.random.key(config.seed)
+        self._rl_steps: dict = {}
+        self._step_start = None  # (data position, optimizer step) while a step runs
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_tree(self):
+        return {
+            "state": self.state,
+            "history": [p for _, p in self.history.state()],
+            **({"ref": self.ref_params} if self.ref_params is not None else {}),
+        }
+
+    def save(self, step: int, force: bool = False) -> None:
+        meta = {
+            "step": step,
+            "data": self.batcher.state(),
+            "history_versions": [v for v, _ in self.history.state()],
+            "config": self.config.to_dict(),
+        }
+        self.ckpt.save(step, self._ckpt_tree(), meta, force=force)
+
+    def try_restore(self) -> int | None:
+        found = self.ckpt.restore_newest_intact(
+            lambda meta: self._abstract_tree(len(meta["history_versions"])),
+            fallback=self.config.train.restore_fallback,
+        )
+        if found is None:
+            return None
+        step, tree, meta = found
+        self.state = tree["state"]
+        self.ref_params = tree.get("ref")
+        self.history.restore(list(zip(meta["history_versions"], tree["history"])))
+        self.batcher.restore(meta["data"])
+        return step
+
+    def _abstract_tree(self, n_history: int):
+        as_abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        state = jax.tree.map(as_abstract, self.state, self.state_sh)
+        hist_one = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
+        tree = {"state": state, "history": [hist_one] * n_history}
+        if self.obj_cfg.beta_kl > 0:
+            tree["ref"] = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
+        return tree
+
+    # ------------------------------------------------------------------ phases
+    def sft(self) -> None:
+        c = self.config.sft
+        if not c.steps:
+            return
+        tx = make_optimizer(
+            {
+                "lr": c.lr,
+                "warmup_steps": c.warmup_steps,
+                "total_steps": c.steps,
+                "max_grad_norm": 1.0,
+                "final_lr_fraction": 0.1,
+            }
+        )
+        state, state_sh = steps.init_state(self.state.params, tx, self.mesh)
+        batch_sh = sharding_lib.batch_sharding(self.mesh)
+        step_fn = steps.make_sft_step(self.cfg, tx, state_sh, batch_sh)
+        demos = corrupt_demonstrations(self.train_examples, c.demo_noise, self.config.seed)
+        it = sft_batches(demos, self.tokenizer, c.batch_size, c.seq_len, seed=self.config.seed)
+        bar = tqdm(
+            range(c.steps), desc="sft", dynamic_ncols=True, mininterval=2.0, disable=_secondary()
+        )
+        for i in bar:
+            b = next(it)
+            batch = sharding_lib.shard_batch(
+                {
+                    "tokens": np.asarray(b["tokens"], np.int32),
+                    "loss_mask": np.asarray(b["loss_mask"]),
+                },
+                self.mesh,
+            )
+            state, m = step_fn(state, batch)
+            if i % 20 == 0 or i == c.steps - 1:
+                bar.set_postfix_str(f"loss={float(m['loss']):.3f}")
+        self.state = self.state.replace(params=state.params)
+
+    def evaluate(self, step: int) -> dict:
+        e = self.config.eval
+        src = rollout_lib.PolicySource(
+            self.cfg, sharding_lib.reshard(self.state.params, self.sample_sh), step
+        )
+        rng = jax.random.fold_in(jax.random.fold_in(self.rng, 2), step)
+        return eval_lib.evaluate(
+            src,
+            self.test_examples,
+            self.tokenizer,
+            self.reward_fn,
+            e,
+            self.stop_ids,
+            rng,
+            buckets=tuple(self.config.data.buckets),
+        )
+
+    def export_hf(self) -> str:
+        """The current params and tokenizer as a Hugging Face checkpoint in <workdir>/hf, written
+        to a temporary directory first so a reader never sees a half-written one."""
+        from ess_jax.io import weights
+
+        path = os.path.join(self.workdir, "hf")
+        tmp = path + ".tmp"
+        if jax.process_index() == 0 and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        weights.save_hf(self.cfg, self.state.params, tmp, tokenizer=self.tokenizer)
+        if jax.process_index() == 0:
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        return path
+
+    def save_on_interrupt(self, step: int) -> None:
+        """Ctrl-C: save what can be saved without losing or corrupting anything.
+
+        Before the step's first update (the common case: sampling takes most of a step) the
+        state is the step's start state: rewind the data iterator and the resume is exact.
+        After it, the update has donated buffers the policy history may share (lag 0, same
+        layouts): save the updated state as step + 1 (that step's metrics row is not written).
+        During it, the old state is gone: keep the last periodic checkpoint.
+        """
+        started = self._step_start
+        leaves = jax.tree.leaves(self.state)
+        if any(x.is_deleted() for x in leaves):
+            logging.error(
+                "interrupted inside an update: keeping the checkpoint at step %s",
+                self.ckpt.latest_step(),
+            )
+            return
+        if started is not None and int(self.state.step) != started[1]:
+            step += 1
+            self.history.push(step, jax.tree.map(jnp.copy, self.state.params))
+        elif started is not None:
+            self.batcher.restore(started[0])
+        logging.warning("interrupted: saving a checkpoint at step %d", step)
+        self.save(step, force=True)
+
+    def rl_step(self, step: int) -> dict:
+        t = self.config.train
+        t0 = time.perf_counter()
+        self._step_start = (self.batcher.state(), int(self.state.step))
+        version, params_b = self.history.behaviour()
+        rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
+        rollout, metrics = dynamic_sampling.collect_batch(
+            rollout_lib.PolicySource(self.cfg, params_b, version),
+            self.batcher,
+            self.tokenizer,
+            self.reward_fn,
+            self.rollout_cfg,
+            rng,
+            external=self.external,
+        )
+        t_sample = time.perf_counter() - t0
+        n_upd = t.updates_per_batch
+        per = rollout.num_sequences // n_upd
+        args = (self.obj_cfg, self.rollout_cfg, params_b, self.history.lag, n_upd, self.external)
+        full = steps.full_kl_inputs(*args, self.state_sh.params)  # None unless kl_estimator full
+        batch = sharding_lib.shard_batch(steps.rollout_to_batch(rollout, full), self.mesh)
+        score = steps.score_fn(self.cfg, rollout.prompt_len, self.mesh, t.num_microbatches * n_upd)
+        if (
+            obj_lib.get_objective(self.obj_cfg.name).needs_prox
+        ):  # snapshot before the first update on this batch
+            batch["prox_logp"] = score(self.state.params, batch)
+        if self.ref_params is not None:
+            batch["ref_logp"] = score(self.ref_params, batch)
+        key = (rollout.prompt_len, full and full.key)
+        if key not in self._rl_steps:  # one compile per prompt bucket (and full-KL inputs)
+            self._rl_steps[key] = steps.make_rl_step(
+                self.cfg,
+                self.tx,
+                self.obj_cfg,
+                t.num_microbatches,
+                rollout.prompt_len,
+                self.state_sh,
+                sharding_lib.batch_sharding(self.mesh),
+                full,
+            )
+        step_fn = self._rl_steps[key]
+        upd_metrics = []
+        for u in range(n_upd):
+            mb = jax.tree.map(lambda x, u=u: x[u * per : (u + 1) * per], batch)
+            mb = sharding_lib.shard_batch(mb, self.mesh)
+            self.state, m = step_fn(self.state, mb, *([full.params] if full else []))
+            upd_metrics.append(jax.device_get(m))
+        if int(self.state.nonfinite) >= MAX_NONFINITE_IN_A_ROW:
+            raise NonFiniteError(
+                f"{int(self.state.nonfinite)} updates in a row had a non-finite loss or gradient "
+                f"(step {step}); the last good state is kept. Lower optim.lr or check the data."
+            )
+        # train layout (FSDP-sharded): the sampler gathers a version only while it samples
+        self.history.push(step + 1, self.state.params)
+        self._step_start = None
+        elapsed = time.perf_counter() - t0
+        row = {k: float(np.mean([m[k] for m in upd_metrics])) for k in upd_metrics[0]}
+        row["ess_min"] = float(np.min([m["ess"] for m in upd_metrics]))
+        row.update(metrics)
+        row.update(
+            step=step,
+            policy_lag=step - version,
+            lr=float(self.lr_schedule(int(self.state.step))),
+            tokens_per_s=float(rollout.loss_mask.sum()) / elapsed,
+            sample_s=t_sample,
+            step_s=elapsed,
+        )
+        return row
+
+    def _eval(self, writer, step: int) -> None:
+        row = {"step": step, **self.evaluate(step)}
+        writer.write(row)
+        if writer.active:
+            tqdm.write(eval_summary(row))
+
+    def run(self) -> str:
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> str:
+        t = self.config.train
+        start = self.try_restore()
+        if jax.process_index() == 0:
+            workdir_lib.write_config(self.workdir, self.config)
+        # process 0 writes the shared workdir's files; the other processes' rows are the same
+        writer = MetricsWriter(
+            self.workdir, resume_step=start if start is not None else 0, active=not _secondary()
+        )
+        if start is None:
+            self.sft()
+            if self.obj_cfg.beta_kl > 0:
+                self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+            start = 0
+        if not self.history.state():
+            self.history.push(0, self.state.params)
+            self.save(0, force=True)  # the SFT warm start is never redone after a crash
+        step = start
+        bar = tqdm(
+            range(start, t.steps),
+            desc="rl",
+            initial=start,
+            total=t.steps,
+            dynamic_ncols=True,
+            disable=_secondary(),
+        )
+        try:
+            for step in bar:
+                if self.config.eval.every and step % self.config.eval.every == 0:
+                    self._eval(writer, step)
+                row = self.rl_step(step)
+                writer.write(row)
+                bar.set_postfix_str(progress_postfix(row))
+                if (step + 1) % t.checkpoint_every == 0:
+                    self.save(step + 1)
+            step = t.steps
+            if self.config.eval.every:
+                self._eval(writer, step)
+            self.save(step, force=True)
+            if t.export_hf:
+                self.export_hf()
+        except KeyboardInterrupt:
+            self.save_on_interrupt(step)
+            raise
+        finally:
+            self.ckpt.wait()
+            writer.close()
+        if _secondary():
+            return os.path.join(self.workdir, "curves.png")  # process 0 writes it
+        return plot_run(self.workdir)
+
+
+def _secondary() -> bool:
+    """A process other than the first of a multi-host run: it writes no files, shows no bars."""
+    return jax.process_index() != 0
+
+
+def _with_source(mcfg, source):
+    m = mcfg.copy_and_resolve_references()
+    m.source = source
+    return m
+
+
+def _with_stop_ids(rcfg, ids):
+    r = rcfg.copy_and_resolve_references()
+    r.stop_ids = tuple(int(i) for i in ids)
+    return r
+
+
+def run(config, workdir: str, allow_config_change=()) -> str:
+    """Runs SFT warm start (if configured) then RL; returns the path of the curves PNG.
+
+    Resuming a workdir with a config that differs from its checkpoint's outside
+    `workdir.SAFE_ON_RESUME` needs the changed fields (or sections) in `allow_config_change`."""
+    return Run(config, workdir, allow_config_change).run()

@@ -1,0 +1,219 @@
+"""In-JAX sampler: jitted prefill + `lax.while_loop` decode that records exact log-probs.
+
+Axis alphabet: B rows (prompts * num_samples), P prompt length, T response length
+(= max_new_tokens), S cache length (= bucketed P + T), V vocab.
+
+Per sampled token the sampler records three float32 log-quantities (0 on masked positions):
+  raw_logp        log pi(y_t) over the full vocabulary at temperature 1 in the sampler's
+                  precision: what the trainer's `scoring.token_logprobs` recomputes (tested
+                  equal to <= 1e-5 in float32).
+  behaviour_logp  log of the probability with which y_t was *actually drawn*: after
+                  temperature, top-k and top-p, renormalised over the kept support.
+  log_kept_mass   log of the tempered probability mass of that kept support (0 when nothing
+                  is truncated), so behaviour_logp = log_softmax(logits / T)[y_t] - log_kept_mass.
+
+The objectives use `behaviour_logp` as pi_b. The importance ratio exp(logp - blogp) corrects
+for the distribution the data came from; that is the truncated, tempered, low-precision
+distribution the sampler drew from, not the full-vocabulary temperature-1 one. Using
+`raw_logp` instead would silently hide every off-policy source the paper studies
+(temperature, truncation; precision shows up in both) and give ratios ~1 where they are not.
+Greedy decoding (temperature 0) draws from a point mass on the argmax, so its
+behaviour_logp = log 1 = 0 and log_kept_mass = 0 (the T -> 0 limit).
+
+Sampler precision (`sample(..., precision=)`): "float32", "bfloat16" or "fp8" (see
+precision.py); the low-precision modes reproduce the train/inference mismatch of the paper's
+FP8-rollout experiment.
+
+Cost and compilation (the programs: decode.py): prompts are left-padded further to a
+power-of-two bucket. The prefill attends over the prompt only, and decode runs in up to 4
+segments (`decode_bounds`), each attending over the prompt and the response positions its
+bound allows, so a step costs what is filled (within 2x), not the whole budget; the KV cache
+is updated in place and zero-padded between segments. Temperature / top_p are traced, so a run
+compiles one prefill and <= 4 decode programs per (model, batch, bucket, max_new_tokens,
+num_samples, top_k, stop_ids, precision, mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+
+from ess_jax.model import decoder as model
+from ess_jax.parallel import sharding as shd
+from ess_jax.sampling import decode as decode_lib
+from ess_jax.sampling import precision as precision_lib
+from ess_jax.sampling.decode import decode_bounds  # noqa: F401  (re-exported: part of the API)
+
+_MIN_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How to draw. temperature 0 = greedy; top_k 0 and top_p 1.0 = off (composable:
+    temperature, then top-k, then top-p over the renormalised top-k distribution).
+    `stop_ids=None` uses the model config's eos_token_id; () means no stop token."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    num_samples: int = 1
+    stop_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
+            raise ValueError(f"invalid sampling config {self}")
+        if self.max_new_tokens < 1 or self.num_samples < 1:
+            raise ValueError(f"max_new_tokens and num_samples must be >= 1: {self}")
+
+    def replace(self, **kw) -> SamplingConfig:
+        return dataclasses.replace(self, **kw)
+
+
+@struct.dataclass
+class SampleOutput:
+    """Row i*n + j is sample j of prompt i. [B, T] fields cover response positions only."""
+
+    tokens: jax.Array  # [B, T] int32, pad id after the stop token
+    response_mask: jax.Array  # [B, T] bool: sampled tokens, the stop token included
+    behaviour_logp: jax.Array  # [B, T] float32: log pi_b, the drawing distribution
+    raw_logp: jax.Array  # [B, T] float32: full-vocab, temperature-1 log-prob
+    log_kept_mass: jax.Array  # [B, T] float32: log tempered mass of the kept support
+    lengths: jax.Array  # [B] int32: response tokens, stop token included
+    finished: jax.Array  # [B] bool: ended with a stop token (False: hit max_new_tokens)
+    sequences: jax.Array  # [B, P+T] int32: the (original-width) prompt, then the response
+    sequence_mask: jax.Array  # [B, P+T] bool: what the trainer teacher-forces on
+
+
+def bucket_length(p: int) -> int:
+    """Prompt width after bucketing: the next power of two, at least 16."""
+    return max(_MIN_BUCKET, 1 << max(p - 1, 0).bit_length())
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(cfg: model.ModelConfig, st: decode_lib.Static, mesh: Mesh | None):
+    """(prefill, decode) for one static configuration; jit caches per shape."""
+    prefill = jax.jit(functools.partial(decode_lib.prefill, cfg=cfg, st=st, mesh=mesh))
+    return prefill, decode_lib.Decode(cfg, st, mesh)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+_compiled_keys: set = set()
+
+
+def _infer_mesh(params) -> Mesh | None:
+    sh = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    return sh.mesh if isinstance(sh, NamedSharding) and sh.mesh.size > 1 else None
+
+
+def _place(x, mesh: Mesh | None):
+    if mesh is None or mesh.size == 1:
+        return jnp.asarray(x)
+    spec = shd.logical_to_spec(
+        ("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh, shd.SAMPLE_RULES
+    )
+    return shd.put_host_array(np.asarray(x), NamedSharding(mesh, spec))
+
+
+def sample_layout(cfg: model.ModelConfig, params, mesh: Mesh | None = None):
+    """`params` in the sampling layout (a copy unless they are there already)."""
+    mesh = mesh if mesh is not None else _infer_mesh(params)
+    if mesh is None or mesh.size == 1:
+        return params
+    target = model.param_shardings(cfg, mesh, "sample")
+    if any(
+        getattr(x, "sharding", None) != t
+        for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))
+    ):
+        params = shd.reshard(params, target)
+    return params
+
+
+def sample(
+    cfg: model.ModelConfig,
+    params,
+    prompt_tokens_BxP,
+    prompt_mask_BxP,
+    sampling: SamplingConfig,
+    rng: jax.Array,
+    *,
+    precision: str = "float32",
+    mesh: Mesh | None = None,
+) -> SampleOutput:
+    """Draw `sampling.num_samples` completions of each left-padded prompt.
+
+    `precision` is the sampler's numeric mode (float32 | bfloat16 | fp8, see the module
+    docstring). With a `mesh` (default: the mesh the params live on, if any) the params are
+    moved to the sample layout if they are not there yet and the rows are split over the
+    data axes; the numbers are the same as unsharded.
+    """
+    if precision not in precision_lib.PRECISIONS:
+        raise ValueError(f"precision {precision!r} not in {precision_lib.PRECISIONS}")
+    mask_np = np.asarray(prompt_mask_BxP).astype(bool)
+    tokens_np = np.asarray(prompt_tokens_BxP).astype(np.int32)
+    if mask_np.ndim != 2 or mask_np.shape != tokens_np.shape:
+        raise ValueError(f"prompt tokens {tokens_np.shape} and mask {mask_np.shape} must be BxP")
+    if not mask_np[:, -1].all():
+        raise ValueError("prompts must be left-padded: the last column must be real tokens")
+    b, p = tokens_np.shape
+    pad_id = int(cfg.pad_token_id or 0)
+    pb = bucket_length(p)
+    tokens_np = np.pad(tokens_np, ((0, 0), (pb - p, 0)), constant_values=pad_id)
+    mask_np = np.pad(mask_np, ((0, 0), (pb - p, 0)))
+
+    stop_ids = sampling.stop_ids
+    if stop_ids is None:
+        eos = cfg.eos_token_id
+        stop_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    st = decode_lib.Static(
+        max_new_tokens=sampling.max_new_tokens,
+        num_samples=sampling.num_samples,
+        greedy=sampling.temperature == 0,
+        top_k=sampling.top_k,
+        use_top_p=sampling.top_p < 1.0,
+        stop_ids=tuple(sorted(set(stop_ids))),
+        pad_id=pad_id,
+    )
+    mesh = mesh if mesh is not None else _infer_mesh(params)
+    if mesh is not None and mesh.size > 1:
+        params = sample_layout(cfg, params, mesh)
+    else:
+        mesh = None
+    sample_cfg = cfg.replace(dtype="float32" if precision == "float32" else "bfloat16")
+    if precision != "float32":
+        params = precision_lib.prepare_fn(precision)(params)
+
+    _compiled_keys.add((sample_cfg, st, mesh))
+    prefill, decode = _compiled(sample_cfg, st, mesh)
+    temperature = jnp.float32(max(sampling.temperature, 1e-6))
+    top_p = jnp.float32(sampling.top_p)
+    state = prefill(params, _place(tokens_np, mesh), _place(mask_np, mesh), rng, temperature, top_p)
+    state = decode(params, state, temperature, top_p)
+
+    n = sampling.num_samples
+    prompts = jnp.repeat(_place(tokens_np[:, pb - p :], mesh), n, axis=0)
+    pmask = jnp.repeat(_place(mask_np[:, pb - p :], mesh), n, axis=0)
+    return SampleOutput(
+        tokens=state.tokens,
+        response_mask=state.mask,
+        behaviour_logp=state.behaviour_logp,
+        raw_logp=state.raw_logp,
+        log_kept_mass=state.log_kept_mass,
+        lengths=state.mask.sum(-1).astype(jnp.int32),
+        finished=state.done,
+        sequences=jnp.concatenate([prompts, state.tokens], axis=1),
+        sequence_mask=jnp.concatenate([pmask, state.mask], axis=1),
+    )
+
+
+def compile_cache_size() -> int:
+    """Compiled decode programs held (tests use it to check that bucketing avoids recompiles)."""
+    return sum(_compiled(*key)[1].cache_size() for key in _compiled_keys)
