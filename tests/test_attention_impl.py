@@ -2,7 +2,7 @@
 (layers.fused_attention) give layers.attention's numbers, and the settings that cannot run
 are refused by name. "xla" is the CPU-testable twin of "cudnn" (same call, same layouts, mask
 and head grouping; only jax's `implementation` argument differs), whose speed and numbers
-are a GPU run's to measure (tools/bench_gpu.py, section train_fused)."""
+are a GPU run's to measure (bench/gpu.py, section train_fused)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""tools/bench.py: its smoke run (--quick --tiny) writes the headline ratios, both sides of
+"""bench/cpu.py: its smoke run (--quick --tiny) writes the headline ratios, both sides of
 each comparison hold the same model and do the same work, and the FLOP count behind MFU
 counts every matmul weight. No timing is asserted: on a shared CPU timings mean nothing.
 torch.compile is left out here (--no-compile): its cold compile alone takes minutes.
@@ -7,16 +7,15 @@ torch.compile is left out here (--no-compile): its cold compile alone takes minu
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+from bench import common as bench_common
+from bench import cpu as bench
 
-import bench  # noqa: E402  (tools/bench.py)
-import bench_common  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 HEADLINE = ("train_vs_torch", "train_mfu", "decode_vs_hf_b32", "decode_len_scaling")
 

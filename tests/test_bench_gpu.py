@@ -1,4 +1,4 @@
-"""tools/bench_gpu.py (the bench at Qwen2.5-1.5B's dimensions, for a GPU): both sides describe
+"""bench/gpu.py (the bench at Qwen2.5-1.5B's dimensions, for a GPU): both sides describe
 the same architecture, its headline figures are the recorded measurements' (recomputed here),
 and its smoke run (--tiny, any machine; torch.compile left out) measures every section.
 No timing is asserted: on a shared CPU timings mean nothing.
@@ -8,19 +8,18 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import tempfile
 
 import jax
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+from bench import common as bench_common
+from bench import gpu as bench_gpu
+from bench import gpu_report as bench_gpu_report
 
-import bench_common  # noqa: E402
-import bench_gpu  # noqa: E402
-import bench_gpu_report  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 
 @pytest.mark.parametrize("sizes", [bench_gpu.TINY, bench_gpu.QWEN25_1_5B], ids=["tiny", "1.5b"])
@@ -158,14 +157,15 @@ def test_sections_name_what_runs_and_reject_unknown_names():
 
 
 def test_dry_run_lowers_every_program_for_cuda_with_cudnn_where_asked():
-    """tools/gpu_lower.py, the no-device check to run before a GPU run: catches a program of
+    """bench/gpu_lower.py, the no-device check to run before a GPU run: catches a program of
     bench_gpu left out of the dry run or no longer lowering for CUDA (a sequence length or
     layout jax's cuDNN checks refuse), the cuDNN variants reaching no cuDNN call (or the einsum
     ones reaching it), the stubbed cuDNN version check left in place after the dry run, and a
     miscounted bias gradient (the pinned jax 0.10.2 always computes it; 0.11.2, the GPU
     machine's, not for fused_attention's boolean mask: checked by hand, BENCHMARKS_GPU.md)."""
-    import gpu_lower
     from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from bench import gpu_lower as gpu_lower
 
     real = fa.check_cudnn_version
     out = gpu_lower.lower_all(bench_gpu.TINY)

@@ -49,7 +49,7 @@ def test_compiled_decode_loops_never_copy_the_cache():
     length and each segment attending over a slice of it, XLA fused the slice with the
     step's write and copied the whole cache twice per layer and step in every segment but
     the last (planted: 12 copies in each of the first two segments here; 54-61 vs 25-30 ms
-    per step on tools/bench.py's model)."""
+    per step on bench/cpu.py's model)."""
     params, s, dec = _prefilled()
     assert dec.bounds == (32, 64, 128)
     for bound, segment in zip(dec.bounds, dec.segments):
@@ -114,7 +114,7 @@ def test_no_growth_once_every_row_has_stopped():
 
 def test_keys_are_cached_transposed_and_a_wrong_layout_is_refused():
     """Catches the key cache going back to [B, N, S, K] (a decode step's score product then
-    reduces along the minor axis: 7-11% slower per step on tools/bench.py's model,
+    reduces along the minor axis: 7-11% slower per step on bench/cpu.py's model,
     bench_notes), on both the prefilled and the grown cache, and a hand-built cache in the
     old layout being written into silently (dynamic_update_slice would clamp the index)."""
     n, kd = CFG.num_kv_heads, CFG.head_dim

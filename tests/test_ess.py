@@ -234,7 +234,7 @@ def test_step_scope_with_extras_is_invariant_to_microbatching():
 @pytest.mark.parametrize("name", ["p3o", "p3o_dual", "grpo", "cispo"])
 def test_forward_count_of_a_step(name, m):
     """Counts the micro-batch forwards one jitted step runs. Catches the no-grad statistics pass
-    (M - 1 extra micro-batch forwards, ~+24% of an update at 4 micro-batches on tools/bench.py's
+    (M - 1 extra micro-batch forwards, ~+24% of an update at 4 micro-batches on bench/cpu.py's
     model) run for objectives that only report the ESS (GRPO and the other baselines paid it
     before, which also hid the ESS objective's real overhead in the bench), skipped for P3O,
     whose loss needs the step's ESS first, or run without reusing the last micro-batch's

@@ -74,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
     # Statistics each micro-batch's loss uses (train.num_microbatches > 1; all agree at 1):
     #   step: ESS and token count of the whole optimizer step (micro-batch / device invariant);
     #     for p3o / p3o_dual it costs M - 1 extra micro-batch forwards at M >= 3, 2 at M = 2
-    #     (+24% per update at 4 micro-batches on tools/bench.py's CPU model; BENCHMARKS.md)
+    #     (+24% per update at 4 micro-batches on bench/cpu.py's CPU model; BENCHMARKS.md)
     #   microbatch: the reference code's default: ESS per micro-batch (pooled over devices),
     #     divided by the token count of the whole optimizer step
     #   microbatch_local: ESS and token count per micro-batch, mean over micro-batches

@@ -32,9 +32,9 @@ from jax.sharding import AbstractMesh, AxisType
 from ess_jax.config.presets import GB, HBM, KNOWN_MODELS
 from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the API)
     COEF,
-    optimizer_shapes,
     embedding_bytes,
     optimizer_bytes,
+    optimizer_shapes,
     param_bytes,
     sampler_copy_bytes,
     sampler_terms,

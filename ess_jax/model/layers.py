@@ -12,7 +12,7 @@ Hugging Face through the model and sampler tests):
     multiply-and-sum over the keys, which the cache stores transposed, [B, N, K, S]. XLA:CPU
     hands the score product to one YNNPACK fusion (multiply, then reduce over K) either way;
     with keys as [B, N, S, K] it reduced along the minor axis, with [B, N, K, S] it streams
-    along S as the value product does. The sampler on tools/bench.py's model, batch 32,
+    along S as the value product does. The sampler on bench/cpu.py's model, batch 32,
     64-token prompts, sampled, alternated processes: 31.2-32.3 -> 28.8-28.9 ms per step at
     256 new tokens, 27.2-27.4 -> 25.1-25.3 at 128 (bench_notes: tried before and reverted,
     when the cache copies of the time hid it). As on the einsum path, scores are float32
@@ -39,7 +39,7 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, out_dtype=None) -> jax.Arra
     Same numbers as the einsum ("btd,df->btf", "bthk,hkd->btd"), but the backward pass differs
     on XLA:CPU: with the leading axes kept apart, each weight gradient contracts over two axes
     (b, t), which XLA normalises with a transpose of the [B*T, F] activation (a copy per weight
-    gradient, ~14% of the train step's op time at tools/bench.py's shapes); merged, it is one
+    gradient, ~14% of the train step's op time at bench/cpu.py's shapes); merged, it is one
     transposed-operand GEMM. MLP block forward + backward, [8, 256, 512] x 1408: 216 -> 160 ms.
     The merges are reshapes of the major axes, so batch and head shardings carry through.
     """
@@ -118,7 +118,7 @@ def attention(
     (query_idx_T == offset + arange(T): full-sequence forwards, the prefill). Then, with chunk
     == 0, the queries go in up to CAUSAL_BLOCKS blocks and each block's scores cover only the
     keys up to its last query, which the causal mask would zero anyway: the same numbers, about
-    5/8 of the score work at 4 blocks (train step attention at tools/bench.py's 8 x 256 shapes,
+    5/8 of the score work at 4 blocks (train step attention at bench/cpu.py's 8 x 256 shapes,
     forward + backward per layer: ~50 -> ~40 ms). Chunked attention keeps one `lax.map` over
     same-shaped chunks (its memory bound), so every chunk attends over all S keys.
     """
@@ -243,7 +243,7 @@ def _softmax(x: jax.Array) -> jax.Array:
     """Softmax over the last axis as exp(x - logsumexp(x)): jax.nn.softmax's numbers to float
     rounding (a fully masked row is uniform in both), but a cheaper backward on XLA:CPU, which
     for jax.nn.softmax materialises the broadcast 1 / sum as a [.., C, S] array per layer.
-    Attention forward + backward at tools/bench.py's 8 x 256 shapes (4 causal blocks): 38 ->
+    Attention forward + backward at bench/cpu.py's 8 x 256 shapes (4 causal blocks): 38 ->
     26 ms per layer (8 alternated rounds)."""
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     return jnp.exp(shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)))

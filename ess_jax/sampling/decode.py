@@ -215,7 +215,7 @@ class Decode:
     decode step attends over its whole cache, read after the step's in-place write. Attending
     over a slice of a cache allocated at full length instead made XLA fuse the slice with the
     write, read the old buffer and so copy the whole cache twice per layer and step
-    (tools/bench.py's model, batch 32, 64 + 256 positions: 54-61 ms per step in the first
+    (bench/cpu.py's model, batch 32, 64 + 256 positions: 54-61 ms per step in the first
     three segments against 36 in the last, which attends over more keys; 25-30 with the
     growing cache; tests/test_decode_cache.py checks the compiled loops for copies, on CPU).
     Once every row has stopped, the remaining segments (and their grows) are skipped."""

@@ -1,4 +1,4 @@
-"""Part of tools/bench.py: the ess_jax sampler (jitted prefill + while_loop decode) against
+"""Part of bench/cpu.py: the ess_jax sampler (jitted prefill + while_loop decode) against
 Hugging Face `generate` (KV cache) on the same model and weights, greedy and sampled.
 
 Both sides generate exactly the requested number of tokens (no stop token), from the same
@@ -17,14 +17,14 @@ import time
 
 import jax
 import jax.numpy as jnp
-from bench_common import Sizes, left_padded_prompts, median, time_round_robin
 
+from bench.common import Sizes, left_padded_prompts, median, time_round_robin
 from ess_jax.sampling import decode as decode_lib
 from ess_jax.sampling import sampler
 
 
 def runner_static(n: int, mode: str) -> decode_lib.Static:
-    """The sampler programs' static configuration jax_runner compiles (tools/gpu_lower.py
+    """The sampler programs' static configuration jax_runner compiles (bench/gpu_lower.py
     lowers the same): `n` new tokens, one sample, "greedy" or "sampled", no truncation, no
     stop token."""
     return decode_lib.Static(

@@ -1,4 +1,4 @@
-"""Part of tools/bench.py: the headline ratios (its --json), the tables it prints, and
+"""Part of bench/cpu.py: the headline ratios (its --json), the tables it prints, and
 BENCHMARKS.md (machine, versions, command, tables)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import platform
 import subprocess
 
-from bench_common import Sizes, paired
+from bench.common import Sizes, paired
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -221,7 +221,7 @@ def environment(argv: list[str]) -> dict:
         "versions": {m: _version(m) for m in libs},
         "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["python", "tools/bench.py", *argv]),
+        "command": " ".join(["python", "bench/cpu.py", *argv]),
     }
 
 
@@ -229,7 +229,7 @@ def markdown(res: dict, s: Sizes, env: dict, head: dict) -> str:
     vers = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
     return f"""# Benchmarks
 
-Written by `tools/bench.py`; rerun the command below on a quiet machine to replace this file.
+Written by `bench/cpu.py`; rerun the command below on a quiet machine to replace this file.
 Both sides run the same Llama weights (initialised by Hugging Face, loaded by ess_jax's
 loader) on the same batches, in float32; every figure is a median over {s.repeats} repeats
 after {s.warmup} warm-up call(s), the competitors taking turns in each round. Ratios are ess_jax
@@ -258,7 +258,7 @@ NOTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_notes.md
 
 
 def notes() -> str:
-    """The hand-written profile notes (tools/bench_notes.md: what was profiled, what was
+    """The hand-written profile notes (bench/notes.md: what was profiled, what was
     predicted and what came out), carried into every BENCHMARKS.md a run writes."""
     if not os.path.exists(NOTES):
         return ""

@@ -2,8 +2,8 @@
 MFU and decode speed against the chip's measured bf16 matmul and memory-bandwidth ceilings,
 and the PyTorch peers (Hugging Face Qwen2ForCausalLM) on the same shapes.
 
-    python tools/bench_gpu.py --json gpu.json --md gpu.md   # on a CUDA machine
-    python tools/bench_gpu.py --tiny --json /tmp/g.json                # smoke run, any machine
+    python -m bench.gpu --json gpu.json --md gpu.md   # on a CUDA machine
+    python -m bench.gpu --tiny --json /tmp/g.json                # smoke run, any machine
 
 Each side runs in its own process, one after the other (`--part jax`, `--part torch`), so
 neither framework's allocator holds memory the other needs; this one merges their JSON and
@@ -20,7 +20,7 @@ writes the report. Per side:
      left-padded prompts): ess_jax's sampler in its "bfloat16" precision against `generate`
      on a bfloat16 copy of the model; decode ms/step against the bandwidth floor = (bf16
      matmul weights + the KV cache a step reads) / the measured copy bandwidth.
-The two sides hold different random weights (the CPU bench, tools/bench.py, checks identical
+The two sides hold different random weights (the CPU bench, bench/cpu.py, checks identical
 ones): neither side's work depends on the values here, with no stop token and no clipping.
 Compile-heavy on a GPU (28 unrolled layers, 5 sampler programs): on one H200 the P3O step's
 first call took 80-91 s, the sampler's 56 s, torch.compile's 78 s, the whole run ~6.5 min
@@ -41,12 +41,10 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench.common import Sizes, hf_shape, median, time_round_robin
+from bench.gpu_report import report_md, summarize
 
-from bench_common import Sizes, hf_shape, median, time_round_robin  # noqa: E402
-from bench_gpu_report import report_md, summarize  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 QWEN25_1_5B = Sizes(
     dim=1536,
@@ -131,7 +129,8 @@ def train_batch(s: Sizes) -> dict:
     """bench_train's random batch, behaviour log-probs -log V + N(0, 0.3) (no model forward:
     the two sides hold different weights here, and it spares a compile)."""
     import numpy as np
-    from bench_train import random_train_batch
+
+    from bench.train import random_train_batch
 
     return random_train_batch(s, lambda tokens: np.full(tokens.shape, -math.log(s.vocab)))
 
@@ -148,10 +147,10 @@ def timed(fn, warmup: int, repeats: int) -> tuple[list, list[str]]:
 def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
     import jax
     import jax.numpy as jnp
-    from bench_common import one_device_mesh
-    from bench_decode import jax_runner
-    from bench_train import jax_trainer
 
+    from bench.common import one_device_mesh
+    from bench.decode import jax_runner
+    from bench.train import jax_trainer
     from ess_jax.model import decoder as model
     from ess_jax.sampling import precision
 
@@ -211,7 +210,7 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
         train("p3o")
     sample_params = precision.prepare_fn("bfloat16")(params)
     sample_cfg = cfg.replace(dtype="bfloat16")
-    from bench_common import left_padded_prompts
+    from bench.common import left_padded_prompts
 
     res["decode"] = {}
     for b in s.decode_batches if "decode" in sections else ():
@@ -266,9 +265,10 @@ def hf_qwen2(s: Sizes, device: str):
 
 def part_torch(s: Sizes, budget: float, compile_torch: bool, save, sections=SECTIONS) -> dict:
     import torch
-    from bench_common import left_padded_prompts
-    from bench_decode import hf_runner
-    from bench_train import torch_trainer
+
+    from bench.common import left_padded_prompts
+    from bench.decode import hf_runner
+    from bench.train import torch_trainer
 
     t_start = time.perf_counter()
     left = lambda: budget - (time.perf_counter() - t_start)
@@ -378,11 +378,13 @@ def main(argv=None) -> int:
         d = os.path.dirname(os.path.abspath(args.json)) if args.json else tmp
         for part in ("jax", "torch"):
             path = os.path.join(d, f"bench_gpu_{part}.json")
-            cmd = [sys.executable, __file__, "--part", part, "--json", path]
+            cmd = [sys.executable, "-m", "bench.gpu", "--part", part, "--json", path]
             cmd += ["--budget", str(args.budget)] + ["--tiny"] * args.tiny
             cmd += ["--no-compile"] * args.no_compile + ["--sections", args.sections]
             try:  # a hung or slow part keeps what it saved; the other part still runs
-                rc = subprocess.run(cmd, timeout=1.5 * args.budget, env=part_env(part)).returncode
+                rc = subprocess.run(
+                    cmd, timeout=1.5 * args.budget, env=part_env(part), cwd=ROOT
+                ).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
             parts[part] = json.load(open(path)) if os.path.exists(path) else {}
@@ -391,7 +393,7 @@ def main(argv=None) -> int:
     head = summarize(s, parts["jax"], parts["torch"])
     for k, v in head.items():
         print(f"{k:32s} {v:.4g}" if isinstance(v, float) else f"{k:32s} {v}")
-    command = "python tools/bench_gpu.py" + " --tiny" * args.tiny
+    command = "python -m bench.gpu" + " --tiny" * args.tiny
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"headline": head, "details": parts}, fh, indent=1)

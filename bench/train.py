@@ -1,4 +1,4 @@
-"""Part of tools/bench.py: the machine's float32 matmul ceiling, and one training step
+"""Part of bench/cpu.py: the machine's float32 matmul ceiling, and one training step
 (forward + backward + AdamW, the P3O objective) of ess_jax against a PyTorch loop over the
 same Hugging Face LlamaForCausalLM and weights, eager and under torch.compile.
 
@@ -16,8 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_common import Sizes, median, time_round_robin, train_flops
 
+from bench.common import Sizes, median, time_round_robin, train_flops
 from ess_jax.model import scoring
 from ess_jax.objectives import ObjectiveConfig
 from ess_jax.parallel import sharding as sharding_lib
@@ -125,7 +125,7 @@ def torch_trainer(hf, batch_np, compiled: bool, device: str = "cpu", autocast=No
     """(step, losses): one PyTorch training step per call on a copy of `hf`: forward, the same
     P3O loss, backward, AdamW (fused, torch's fastest CPU AdamW) with the same settings.
     On `device`; with `autocast` (a torch dtype) the forward runs under torch.autocast, float32
-    master weights (tools/bench_gpu.py: bfloat16 on CUDA, as ess_jax's compute dtype)."""
+    master weights (bench/gpu.py: bfloat16 on CUDA, as ess_jax's compute dtype)."""
     import contextlib
 
     import torch

@@ -1,9 +1,9 @@
 """Throughput of ess_jax against its PyTorch peers and the machine's limit, side by side.
 
-    python tools/bench.py                                     # full run, writes BENCHMARKS.md
-    python tools/bench.py --quick --json bench.json           # the headline ratios
-    python tools/bench.py --quick --tiny --json /tmp/b.json   # smoke run of every code path
-    python tools/bench.py --estimate [--quick]                # predicted run time, runs nothing
+    python -m bench                                     # full run, writes BENCHMARKS.md
+    python -m bench --quick --json bench.json           # the headline ratios
+    python -m bench --quick --tiny --json /tmp/b.json   # smoke run of every code path
+    python -m bench --estimate [--quick]                # predicted run time, runs nothing
 
 One run, one model: a Llama of ~32M params with random weights, built by Hugging Face and
 loaded into ess_jax by its own loader (weights.load_hf), so both sides hold identical weights
@@ -48,11 +48,9 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench.common import Sizes, forward_flops, matmul_params, train_flops
 
-from bench_common import Sizes, forward_flops, matmul_params, train_flops  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FULL = Sizes()
 QUICK = dataclasses.replace(
@@ -171,7 +169,7 @@ def _override(s: Sizes, assignments: list[str]) -> Sizes:
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, Sizes]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="reduced sizes: the headline ratios")
     ap.add_argument("--tiny", action="store_true", help="tiny model and sizes: a smoke run")
     ap.add_argument("--json", metavar="FILE", help="write the headline ratios (and details)")
@@ -198,11 +196,11 @@ def run(s: Sizes, compile_torch: bool = True) -> dict:
     """Every measurement of one run (the --json "details")."""
     import numpy as np
     import torch
-    from bench_common import build_models, max_logit_diff, one_device_mesh
-    from bench_decode import bench_decode
-    from bench_rl import bench_rl
-    from bench_train import bench_train, gemm_ceiling
 
+    from bench.common import build_models, max_logit_diff, one_device_mesh
+    from bench.decode import bench_decode
+    from bench.rl import bench_rl
+    from bench.train import bench_train, gemm_ceiling
     from ess_jax.model import decoder as model
 
     load0 = os.getloadavg()[0]
@@ -255,7 +253,7 @@ def main(argv=None) -> dict:
         import torch
 
         torch.set_num_threads(1)
-    from bench_report import environment, headline, markdown, tables
+    from bench.report import environment, headline, markdown, tables
 
     res = run(s, compile_torch=not args.no_compile)
     head = headline(res, s)

@@ -1,9 +1,9 @@
-"""tools/bench_gpu.py's report: the headline figures from the two parts' JSON, and the
+"""bench/gpu.py's report: the headline figures from the two parts' JSON, and the
 markdown written from them."""
 
 from __future__ import annotations
 
-from bench_common import Sizes, forward_flops, matmul_params, median, train_flops
+from bench.common import Sizes, forward_flops, matmul_params, median, train_flops
 
 
 def decode_floor_s(s: Sizes, batch: int, keys: int, gbps: float) -> float:
@@ -66,7 +66,7 @@ def report_md(s: Sizes, jx: dict, th: dict, head: dict, command: str, tiny: bool
     fused = jx.get("train", {}).get("p3o_fused", {}).get("attention_impl", "the fused kernel")
     mb = jx.get("train", {}).get("p3o_mb", {}).get("num_microbatches", "M")
     lines = [
-        "# GPU benchmark (tools/bench_gpu.py)",
+        "# GPU benchmark (bench/gpu.py)",
         "",
         f"Command: `{command}`. Device: {jx.get('device', '?')}; jax {jx.get('jax', '?')}, "
         f"torch {th.get('torch', '?')}. Model: {name} ({s.layers} layers, "

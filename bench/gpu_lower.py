@@ -3,10 +3,10 @@ finds, at no device time, what a GPU run would hit first (a sequence length or l
 jax's cuDNN checks refuse, an attention path that never reaches cuDNN, a backward that also
 computes a bias gradient, a program that no longer lowers).
 
-    python tools/gpu_lower.py            # bench_gpu's Qwen2.5-1.5B sizes: ~30 s on 2 cores
-    python tools/gpu_lower.py --tiny
+    python -m bench.gpu_lower            # bench_gpu's Qwen2.5-1.5B sizes: ~30 s on 2 cores
+    python -m bench.gpu_lower --tiny
 
-The programs: every train step and sampler program `tools/bench_gpu.py` runs (the matmul and
+The programs: every train step and sampler program `bench/gpu.py` runs (the matmul and
 copy ceilings aside), and two cuDNN variants it does not run (P3O at 4 micro-batches, the
 prefill), marked "extra". jax lowers a program for a platform it does not run on
 (`lower(lowering_platforms=("cuda",))`); only compiling it needs the GPU, so what cuDNN itself
@@ -25,7 +25,7 @@ import re
 import sys
 import time
 
-import bench_gpu  # puts the repository root on sys.path
+from bench import gpu as bench_gpu
 
 CUDNN_CALL = re.compile(r"stablehlo\.custom_call @__cudnn\$fmha(\w+)\([^\n]*-> (\([^\n]*\)|\S+)")
 
@@ -61,10 +61,10 @@ def programs(s):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from bench_common import one_device_mesh
-    from bench_decode import runner_static
-    from bench_train import OPTIM, make_optimizer
 
+    from bench.common import one_device_mesh
+    from bench.decode import runner_static
+    from bench.train import OPTIM, make_optimizer
     from ess_jax.model import decoder as model
     from ess_jax.model import kv_cache
     from ess_jax.objectives import ObjectiveConfig

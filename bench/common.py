@@ -1,5 +1,5 @@
-"""Shared by the parts of tools/bench.py: the sizes of a run, the one model both sides use,
-the FLOP model behind MFU, and the timing helpers. Not a command: run tools/bench.py.
+"""Shared by the parts of bench/cpu.py: the sizes of a run, the one model both sides use,
+the FLOP model behind MFU, and the timing helpers. Not a command: run bench/cpu.py.
 
 Axis alphabet: B batch, T time, S attended (key) length, D model width, H query heads,
 N kv heads, K head dim, F MLP width, V vocab, L layers.
@@ -23,7 +23,7 @@ MODES = ("greedy", "sampled")
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """Everything that sets the work of a run (tools/bench.py presets these; --set overrides)."""
+    """Everything that sets the work of a run (bench/cpu.py presets these; --set overrides)."""
 
     # the Llama both sides run (defaults: ~32M params, the model of issue 11's figures)
     dim: int = 512
@@ -237,7 +237,7 @@ def time_round_robin(
     its wall time is.
     With `prime`, each timed call follows an untimed call of the same fn, so that it never
     runs right after the other framework: on this machine a JAX train step right after a
-    torch step took 3.4-3.8 s, right after a JAX step 2.55-2.6 s (tools/bench_notes.md),
+    torch step took 3.4-3.8 s, right after a JAX step 2.55-2.6 s (bench/notes.md),
     and in a training loop a step follows a step of its own kind.
     Returns ({name: [result per repeat]}, names of the XLA compilations while timing)."""
     warm = warm or {}

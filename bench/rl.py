@@ -1,4 +1,4 @@
-"""Part of tools/bench.py: one full RL step of ess_jax taken apart, and the ESS objective's
+"""Part of bench/cpu.py: one full RL step of ess_jax taken apart, and the ESS objective's
 overhead over GRPO in it.
 
 The step is the one `train.Run.rl_step` runs, from the same public pieces: `rollout.collect`
@@ -24,9 +24,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_common import CompileCounter, Sizes, left_padded_prompts, median, paired, train_flops
-from bench_train import OPTIM
 
+from bench.common import CompileCounter, Sizes, left_padded_prompts, median, paired, train_flops
+from bench.train import OPTIM
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
 from ess_jax.config import defaults
