@@ -3,7 +3,7 @@
 from setuptools import find_packages, setup
 
 # Versions are pinned to what the test suite was run against on the CPU image
-# (see DESIGN.md traps: transformers 5.24.0, jax 0.10 mesh semantics).
+# (see the traps in ARCHITECTURE.md: transformers 5.24.0, jax 0.10 mesh semantics).
 INSTALL_REQUIRES = [
     "jax==0.10.2",
     "jaxlib==0.10.2",

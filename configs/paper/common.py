@@ -1,4 +1,4 @@
-"""The paper's setup (PAPER.md, "Experiments"), shared by every configs/paper/ experiment.
+"""The paper's setup (docs/method.md, "Experiments"), shared by every configs/paper/ experiment.
 
 Not a config file itself. Setup as the paper states it: Qwen3-4B-Thinking-2507 on DeepScaleR,
 binary math-answer verifier, one optimizer step per rollout batch, lr 1e-5, n = 4 samples per

@@ -1,5 +1,6 @@
-"""E1, clip sensitivity (PAPER.md): GRPO eps 0.2 / 0.4 / 0.6 vs one untuned P3O run, Qwen3-4B on
-DeepScaleR, bfloat16 sampler and bfloat16 training compute (rho != 1 from that mismatch only).
+"""E1, clip sensitivity (docs/method.md): GRPO eps 0.2 / 0.4 / 0.6 vs one untuned P3O run,
+Qwen3-4B on DeepScaleR, bfloat16 sampler and bfloat16 training compute (rho != 1 from that
+mismatch only).
 
     python -m ess_jax.main --config=configs/paper/e1_clip_sweep.py:grpo_eps0.2 \
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \

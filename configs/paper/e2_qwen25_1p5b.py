@@ -1,10 +1,10 @@
-"""E2 (PAPER.md): the E1 clip sweep on Qwen2.5-1.5B, DeepScaleR, bfloat16 sampler and training.
+"""E2 (docs/method.md): E1's clip sweep on Qwen2.5-1.5B, DeepScaleR, bf16 sampler and training.
 
     python -m ess_jax.main --config=configs/paper/e2_qwen25_1p5b.py:p3o \
         --config.model.source=/path/to/Qwen2.5-1.5B \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/e2/p3o
 
-(other arms: replace both `p3o`). Paper numbers: none given in PAPER.md (the figure's
+(other arms: replace both `p3o`). Paper numbers: none given in docs/method.md (the figure's
 qualitative result is E1's: small clips collapse, P3O holds). Unknown: base or instruct
 checkpoint (same dimensions), seeds, lr, the response length (4K here, as E1).
 """

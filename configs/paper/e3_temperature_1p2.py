@@ -1,4 +1,4 @@
-"""E3, temperature shift (PAPER.md): rollouts at T=1.2, the trainer scores at T=1, Qwen3-4B on
+"""E3, temperature shift (docs/method.md): rollouts at T=1.2, the trainer scores at T=1, Qwen3-4B on
 DeepScaleR; GRPO eps 0.2 vs P3O, plus the P3O ablations and GRPO with truncated IS.
 
     python -m ess_jax.main --config=configs/paper/e3_temperature_1p2.py:p3o \

@@ -1,13 +1,13 @@
-"""E7, mixed-policy batches (PAPER.md): 2 of each group's 4 rollouts are sampled by another model
-(Qwen3-8B) whose own log-probs are pi_b; Qwen3-4B on DeepScaleR; GRPO eps 0.2 vs P3O and GRPO
-with truncated IS.
+"""E7, mixed-policy batches (docs/method.md): 2 of each group's 4 rollouts are sampled by another
+model (Qwen3-8B) whose own log-probs are pi_b; Qwen3-4B on DeepScaleR; GRPO eps 0.2 vs P3O and
+GRPO with truncated IS.
 
     python -m ess_jax.main --config=configs/paper/e7_external.py:p3o \
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
         --config.rollout.external_checkpoint=/path/to/Qwen3-8B \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/e7/p3o
 
-(other arms: replace both `p3o`). Paper numbers: none in PAPER.md (the result is qualitative).
+(other arms: replace both `p3o`). Paper numbers: none in docs/method.md (the result is qualitative).
 grpo_tis is not in the paper. Unknown: the external model's sampling precision (bf16 here) and
 temperature (the policy's here), seeds, lr.
 """

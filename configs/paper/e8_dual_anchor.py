@@ -1,4 +1,4 @@
-"""E8 (PAPER.md): the dual anchor (P4O, versions two_kl and mixture) vs P3O at T=1 and T=1.2,
+"""E8 (docs/method.md): the dual anchor (P4O, versions two_kl and mixture) vs P3O at T=1 and T=1.2,
 Qwen3-4B on DeepScaleR, 4 optimizer updates per rollout batch (the anchor is the policy
 before the first of them; with one update it equals P3O).
 
@@ -7,7 +7,7 @@ before the first of them; with one update it equals P3O).
         --config.task.manual_dir=/path/to/deepscaler \
         --workdir=runs/paper/e8/t1.0_p3o_dual_mixture
 
-(other arms: replace both `t1.0_p3o_dual_mixture`). Paper numbers: none in PAPER.md; the dual
+(other arms: replace both `t1.0_p3o_dual_mixture`). Paper numbers: none in docs/method.md; the dual
 anchor beats P3O at the default temperature and collapses at T=1.2. Unknown: the number of
 updates per batch (4 here), which dual version the figure used, seeds, lr.
 """

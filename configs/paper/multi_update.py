@@ -1,5 +1,5 @@
 """Several optimizer updates per rollout batch (not in the paper, natural for the method;
-PAPER.md): each batch of 256 x 4 rollouts is cut into 4 updates of 256 sequences, so later
+docs/method.md): each batch of 256 x 4 rollouts is cut into 4 updates of 256 sequences, so later
 updates are off-policy by staleness as well as by train/inference mismatch; Qwen3-4B on
 DeepScaleR, T=1.
 

@@ -1,6 +1,6 @@
 """The default experiment config. Experiment files in configs/ start from it and override.
 
-Every off-policy knob of PAPER.md is here and off by default: rollout.temperature=1,
+Every off-policy knob of docs/method.md is here and off by default: rollout.temperature=1,
 top_k=0, top_p=1, precision=float32, lag=0, external_fraction=0, train.updates_per_batch=1.
 """
 

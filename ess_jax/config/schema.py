@@ -155,11 +155,16 @@ ESS_SCOPES = ("step", "microbatch", "microbatch_local")
 # checked in experiment.validate).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 
-# String fields with a fixed set of values (the rest are checked by their builders in
-# experiment.validate).
+# Sampler precisions (meanings: ess_jax/sampling/precision.py).
+PRECISIONS = ("float32", "bfloat16", "fp8")
+
+# String fields with a fixed set of values. Names with a registry of their own (objective.name,
+# task.name, task.reward) are checked by that registry in experiment.validate.
 CHOICES: dict[str, tuple[str, ...]] = {
     "objective.ess_scope": ESS_SCOPES,
     "model.attention_impl": ATTENTION_IMPLS,
+    "rollout.precision": PRECISIONS,
+    "rollout.external_precision": PRECISIONS,
 }
 
 
@@ -179,10 +184,71 @@ def _as_dict(config) -> dict:
 
 def check(config) -> None:
     """Required fields are set, every numeric field is in its domain, every field of CHOICES is
-    one of its values, and the rollout can be re-scored for objective.kl_estimator "full"; else
-    ConfigError naming the first bad field."""
+    one of its values, the rollout can be re-scored for objective.kl_estimator "full", and the
+    rules between fields hold (`check_rules`); else ConfigError naming the first bad field."""
     _check_values(config)
     check_full_kl(config)
+    check_rules(config)
+
+
+def check_rules(config) -> None:
+    """Rules between fields that need no devices, files or task (those are experiment.validate's:
+    the mesh's data ranks, checkpoint paths, the task's own dials). A rule whose fields a partial
+    config lacks is skipped."""
+    c = _as_dict(config)
+
+    def get(*paths):
+        values = []
+        for p in paths:
+            node = c
+            for part in p.split("."):
+                if not isinstance(node, Mapping) or part not in node:
+                    return None
+                node = node[part]
+            values.append(node)
+        return values
+
+    if v := get("model.source", "model.num_heads", "model.num_kv_heads"):
+        source, heads, kv_heads = v
+        if source == "embedded" and heads % kv_heads:
+            fail("model.num_kv_heads", f"{kv_heads} does not divide num_heads={heads}")
+    if (v := get("model.attention_impl", "model.dtype")) and v[0] == "cudnn" and v[1] != "bfloat16":
+        fail("model.attention_impl", f"'cudnn' needs model.dtype 'bfloat16', got {v[1]!r}")
+    if v := get("rollout.max_resample_rounds", "rollout.dynamic_sampling", "rollout.group_size"):
+        rounds, dynamic, group = v
+        if rounds and not dynamic:
+            fail("rollout.max_resample_rounds", "resampling needs rollout.dynamic_sampling=True")
+        if rounds and group < 2:
+            fail(
+                "rollout.max_resample_rounds",
+                f"every group of rollout.group_size={group} has a constant reward: "
+                "resampling could never fill the batch",
+            )
+    if v := get("rollout.external_fraction", "rollout.external_checkpoint", "rollout.group_size"):
+        fraction, checkpoint, group = v
+        if fraction > 0 and not checkpoint:
+            fail("rollout.external_checkpoint", "needed when rollout.external_fraction > 0")
+        if fraction > 0 and round(fraction * group) in (0, group):
+            fail(
+                "rollout.external_fraction",
+                f"{fraction} of a group of {group} rounds to no or all samples",
+            )
+    paths = ("data.prompts_per_step", "rollout.group_size", "train.updates_per_batch")
+    if v := get(*paths, "train.num_microbatches", "rollout.sample_microbatches"):
+        prompts, group, updates, micro, sample_micro = v
+        batch = prompts * group
+        if batch % updates:
+            fail(
+                "train.updates_per_batch",
+                f"rollout batch {batch} (data.prompts_per_step x "
+                f"rollout.group_size) is not divisible by it",
+            )
+        if prompts % sample_micro:
+            fail("rollout.sample_microbatches", "does not divide data.prompts_per_step")
+        if (batch // updates) % micro:
+            fail(
+                "train.num_microbatches", f"update batch {batch // updates} is not divisible by it"
+            )
 
 
 def check_full_kl(config) -> None:

@@ -22,14 +22,13 @@ recomputed: XLA:CPU realises only part of that saving, so it cannot be checked h
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 
-import jax
 from jax.sharding import AbstractMesh, AxisType
 
 from ess_jax.config.presets import GB, HBM, KNOWN_MODELS
+from ess_jax.data import char_tokenizer
 from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the API)
     COEF,
     embedding_bytes,
@@ -43,6 +42,7 @@ from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the 
 )
 from ess_jax.model import decoder as model_lib
 from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.rl import experiment
 
 HEADROOM = 0.10  # left free for XLA's workspace, collectives and fragmentation
 
@@ -55,10 +55,11 @@ def abstract_mesh(sizes: dict) -> AbstractMesh:
 
 def model_config(mcfg) -> model_lib.ModelConfig:
     """The ModelConfig `model.source` names, without loading any weights: the checkpoint's
-    config.json if it exists, else KNOWN_MODELS by the directory's name."""
+    config.json if it exists, else KNOWN_MODELS by the directory's name; the trainer settings
+    (dtype, logits_chunk, remat, attention_impl) as experiment.load_policy sets them."""
     source = str(mcfg.source)
     if source == "embedded":
-        return _embedded_config(tuple(sorted(mcfg.to_dict().items())))
+        return experiment.embedded_model_config(mcfg, char_tokenizer())
     from ess_jax.io import weights
 
     name = "SmolLM2-135M-Instruct" if source == "smollm2" else os.path.basename(source.rstrip("/"))
@@ -73,26 +74,7 @@ def model_config(mcfg) -> model_lib.ModelConfig:
             f"config.model.source: {source!r} has no config.json and is not one of "
             f"{sorted(KNOWN_MODELS)}"
         )
-    return weights.config_from_hf(hf).replace(
-        dtype=mcfg.dtype, logits_chunk=int(mcfg.logits_chunk), remat=bool(mcfg.get("remat"))
-    )
-
-
-@functools.lru_cache(maxsize=32)
-def _embedded_config(model_items: tuple) -> model_lib.ModelConfig:
-    import ml_collections
-
-    from ess_jax.rl import experiment
-
-    box = {}
-
-    def build():
-        mcfg = ml_collections.ConfigDict(dict(model_items))
-        box["cfg"], params, _ = experiment.load_policy(mcfg)
-        return params
-
-    jax.eval_shape(build)  # the embedded model's config, no params allocated
-    return box["cfg"]
+    return weights.config_from_hf(hf).replace(**experiment.trainer_settings(mcfg))
 
 
 @dataclasses.dataclass
@@ -160,7 +142,7 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
         resident[f"policy history ({r.lag + 1}x)"] = (r.lag + 1) * train_params
     ecfg = None
     if r.external_fraction > 0:
-        ecfg = model_config(_with_source(config.model, r.external_checkpoint))
+        ecfg = model_config(experiment.with_source(config.model, r.external_checkpoint))
         resident["external model (f32)"] = param_bytes(ecfg, amesh, "train")
     if config.objective.beta_kl > 0:
         resident["reference params"] = train_params
@@ -210,9 +192,3 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     if r.lag:
         phases["history push"] = {"new version": train_params}
     return Plan(device, sizes, resident, phases)
-
-
-def _with_source(mcfg, source: str):
-    m = mcfg.copy_and_resolve_references()
-    m.source = source
-    return m

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-# PAPER.md / reference `compute_kl_distance`: the exponent of k3 is clamped to
+# docs/method.md / FeynRL's `compute_kl_distance`: the exponent of k3 is clamped to
 # [-10, 10] so one wildly off token cannot overflow exp() and dominate the loss.
 K3_EXP_CLAMP = 10.0
 

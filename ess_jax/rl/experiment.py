@@ -20,7 +20,6 @@ from ess_jax.parallel import sharding as sharding_lib
 
 SYNTHETIC_TASKS = ("addition", "sort", "countdown")
 LOCAL_DATASETS = ("gsm8k", "deepscaler", "math")
-PRECISIONS = ("float32", "bfloat16", "fp8")
 
 
 def _mesh_sizes(config) -> dict[str, int]:
@@ -32,28 +31,21 @@ def _mesh_sizes(config) -> dict[str, int]:
 
 def validate(config) -> None:
     """Every check that can be made without compiling; raises ConfigError (a ValueError)
-    naming the field. Reads files (checkpoint paths) but never writes any."""
-    check(config)  # required fields and numeric domains
-    try:
-        obj_lib.get_objective(config.objective.name)
-    except (ValueError, KeyError) as e:
-        fail("objective.name", str(e))
+    naming the field. The rules that need no devices, files or task are the schema's
+    (config/schema.py `check`); here: the objective's record, the backend, the task, the
+    reward, the checkpoint paths and the mesh's data ranks. Reads files but never writes any."""
+    check(config)
     try:
         obj_lib.objective_config(config.objective.to_dict())
     except ValueError as e:
-        fail("objective", str(e))
-    m = config.model
-    if m.source == "embedded" and m.num_heads % m.num_kv_heads:
-        fail("model.num_kv_heads", f"{m.num_kv_heads} does not divide num_heads={m.num_heads}")
-    if m.get("attention_impl") == "cudnn":
-        if jax.default_backend() != "gpu":
-            fail(
-                "model.attention_impl",
-                f"'cudnn' runs on NVIDIA GPUs only; this run's backend is "
-                f"{jax.default_backend()!r} (use 'einsum')",
-            )
-        if m.dtype != "bfloat16":
-            fail("model.attention_impl", f"'cudnn' needs model.dtype 'bfloat16', got {m.dtype!r}")
+        unknown_name = config.objective.name not in obj_lib.OBJECTIVES
+        fail("objective.name" if unknown_name else "objective", str(e))
+    if config.model.get("attention_impl") == "cudnn" and jax.default_backend() != "gpu":
+        fail(
+            "model.attention_impl",
+            f"'cudnn' runs on NVIDIA GPUs only; this run's backend is "
+            f"{jax.default_backend()!r} (use 'einsum')",
+        )
     if config.task.name not in SYNTHETIC_TASKS + LOCAL_DATASETS:
         fail(
             "task.name",
@@ -75,54 +67,18 @@ def validate(config) -> None:
     except (ValueError, KeyError) as e:
         fail("task.reward", str(e))
     r = config.rollout
-    for field in ("precision", "external_precision"):
-        if r[field] not in PRECISIONS:
-            fail(f"rollout.{field}", f"{r[field]!r} is not one of {PRECISIONS}")
-    if r.group_size < 1:
-        fail("rollout.group_size", "must be >= 1")
-    if r.lag < 0:
-        fail("rollout.lag", "must be >= 0")
-    if r.max_resample_rounds and not r.dynamic_sampling:
-        fail("rollout.max_resample_rounds", "resampling needs rollout.dynamic_sampling=True")
-    if r.max_resample_rounds and r.group_size < 2:
-        fail(
-            "rollout.max_resample_rounds",
-            f"every group of rollout.group_size={r.group_size} has a constant reward: "
-            "resampling could never fill the batch",
-        )
-    if not 0.0 <= r.external_fraction < 1.0:
-        fail("rollout.external_fraction", "must be in [0, 1)")
     if r.external_fraction > 0:
-        if not r.external_checkpoint:
-            fail("rollout.external_checkpoint", "needed when rollout.external_fraction > 0")
-        if round(r.external_fraction * r.group_size) in (0, r.group_size):
-            fail(
-                "rollout.external_fraction",
-                f"{r.external_fraction} of a group of {r.group_size} rounds to no or all samples",
-            )
         _check_checkpoint("rollout.external_checkpoint", r.external_checkpoint)
     _check_checkpoint("model.source", config.model.source)
     sizes = _mesh_sizes(config)
     data_ranks = sizes["data"] * sizes["fsdp"]
-    batch = config.data.prompts_per_step * r.group_size
-    t = config.train
-    if batch % t.updates_per_batch:
-        fail(
-            "train.updates_per_batch",
-            f"rollout batch {batch} (data.prompts_per_step x "
-            f"rollout.group_size) is not divisible by it",
-        )
-    if config.data.prompts_per_step % r.sample_microbatches:
-        fail("rollout.sample_microbatches", "does not divide data.prompts_per_step")
-    per_update = batch // t.updates_per_batch
-    if per_update % t.num_microbatches:
-        fail("train.num_microbatches", f"update batch {per_update} is not divisible by it")
-    if (per_update // t.num_microbatches) % data_ranks:
+    per_update = config.data.prompts_per_step * r.group_size // config.train.updates_per_batch
+    micro_batch = per_update // config.train.num_microbatches
+    if micro_batch % data_ranks:
         fail(
             "data.prompts_per_step",
-            f"micro-batch of {per_update // t.num_microbatches} "
-            f"sequences does not divide over {data_ranks} data ranks "
-            f"of mesh {sizes}",
+            f"micro-batch of {micro_batch} sequences does not divide over {data_ranks} data "
+            f"ranks of mesh {sizes}",
         )
     if config.sft.steps and config.sft.batch_size % data_ranks:
         fail("sft.batch_size", f"not divisible by {data_ranks} data ranks")
@@ -147,6 +103,44 @@ def _check_checkpoint(field: str, source: str) -> None:
         fail(field, f"{source!r} has no config.json (not a Hugging Face checkpoint)")
 
 
+def trainer_settings(mcfg) -> dict[str, Any]:
+    """The ModelConfig fields the experiment config sets on every model, embedded or loaded:
+    compute dtype, LM-head chunk, remat, attention implementation."""
+    return {
+        "dtype": mcfg.dtype,
+        "logits_chunk": int(mcfg.logits_chunk),
+        "remat": bool(mcfg.get("remat", False)),
+        "attention_impl": mcfg.get("attention_impl", "einsum"),
+    }
+
+
+def embedded_model_config(mcfg, tokenizer) -> model_lib.ModelConfig:
+    """The embedded model's ModelConfig: the config's `model.*` sizes, the tokenizer's ids."""
+    return model_lib.ModelConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=mcfg.hidden_size,
+        intermediate_size=mcfg.intermediate_size,
+        num_layers=mcfg.num_layers,
+        num_heads=mcfg.num_heads,
+        num_kv_heads=mcfg.num_kv_heads,
+        head_dim=mcfg.head_dim,
+        tie_embeddings=mcfg.tie_embeddings,
+        rope_theta=mcfg.rope_theta,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **trainer_settings(mcfg),
+    )
+
+
+def with_source(mcfg, source: str):
+    """A copy of the `model` section naming another checkpoint (the external behaviour model
+    shares the policy's trainer settings)."""
+    m = mcfg.copy_and_resolve_references()
+    m.source = source
+    return m
+
+
 def load_policy(
     mcfg, mesh=None, need_tokenizer: bool = True
 ) -> tuple[model_lib.ModelConfig, Any, Any]:
@@ -158,37 +152,14 @@ def load_policy(
     source = mcfg.source
     if source == "embedded":
         tok = char_tokenizer()
-        cfg = model_lib.ModelConfig(
-            vocab_size=len(tok),
-            hidden_size=mcfg.hidden_size,
-            intermediate_size=mcfg.intermediate_size,
-            num_layers=mcfg.num_layers,
-            num_heads=mcfg.num_heads,
-            num_kv_heads=mcfg.num_kv_heads,
-            head_dim=mcfg.head_dim,
-            tie_embeddings=mcfg.tie_embeddings,
-            dtype=mcfg.dtype,
-            rope_theta=mcfg.rope_theta,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            logits_chunk=mcfg.logits_chunk,
-            remat=mcfg.remat,
-            attention_impl=mcfg.get("attention_impl", "einsum"),
-        )
+        cfg = embedded_model_config(mcfg, tok)
         shardings = None if mesh is None else model_lib.param_shardings(cfg, mesh)
         return cfg, model_lib.init_params(cfg, int(mcfg.init_seed), shardings), tok
     path = weights.smollm2_gguf_path() if source == "smollm2" else source
     cfg, params, tok = weights.load_checkpoint(path, mesh=mesh)
     if tok is None and need_tokenizer:
         fail("model.source", f"{path!r} has no tokenizer files")
-    cfg = cfg.replace(
-        dtype=mcfg.dtype,
-        logits_chunk=mcfg.logits_chunk,
-        remat=mcfg.remat,
-        attention_impl=mcfg.get("attention_impl", "einsum"),
-    )
-    return cfg, params, tok
+    return cfg.replace(**trainer_settings(mcfg)), params, tok
 
 
 def load_examples(tcfg) -> tuple[list[dict], list[dict]]:

@@ -1,6 +1,6 @@
 """One collection step: sample G completions per prompt, score them, build the Rollout.
 
-Every source of off-policyness of PAPER.md is a knob here (all off by default):
+Every source of off-policyness in docs/method.md is a knob here (all off by default):
   rollout.temperature / top_k / top_p   the sampler's distribution differs from the trainer's
   rollout.precision                     float32 | bfloat16 | fp8 sampler weights and compute
   rollout.lag                           samples come from the policy `lag` versions old

@@ -3,7 +3,7 @@ update with the configured objective), and the teacher-forced scoring pass (prox
 reference log-probs). `train.Run` builds and calls them; nothing here holds run state.
 
 The RL step has no objective-specific branches: the objective comes from the registry and
-`objectives.step_loss_and_grad` handles micro-batching with the ESS scope of the config. Only
+`objectives.scopes.step_loss_and_grad` handles micro-batching with the ESS scope of the config. Only
 its log-prob function differs with objective.kl_estimator "full": `rescore.logp_fn_for` also
 re-scores pi_b's whole distribution, from behaviour params the step takes as an argument.
 """
@@ -20,6 +20,7 @@ from flax import struct
 
 from ess_jax import objectives as obj_lib
 from ess_jax.model import scoring
+from ess_jax.objectives import scopes
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.sampling import rescore
@@ -128,7 +129,7 @@ def make_rl_step(
     entropy = obj_cfg.beta_ent != 0
 
     def update(state, batch, logp_fn):
-        loss, grads, metrics = obj_lib.step_loss_and_grad(
+        loss, grads, metrics = scopes.step_loss_and_grad(
             logp_fn, state.params, batch, obj_cfg, num_microbatches
         )
         state, grad_norm, ok = _apply_update(state, tx, loss, grads)

@@ -94,7 +94,7 @@ class Run:
         self.external = None
         if config.rollout.external_fraction > 0:
             ecfg, eparams, _ = experiment.load_policy(
-                _with_source(config.model, config.rollout.external_checkpoint),
+                experiment.with_source(config.model, config.rollout.external_checkpoint),
                 self.mesh,
                 need_tokenizer=False,
             )
@@ -380,12 +380,6 @@ class Run:
 def _secondary() -> bool:
     """A process other than the first of a multi-host run: it writes no files, shows no bars."""
     return jax.process_index() != 0
-
-
-def _with_source(mcfg, source):
-    m = mcfg.copy_and_resolve_references()
-    m.source = source
-    return m
 
 
 def _with_stop_ids(rcfg, ids):

@@ -15,7 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-PRECISIONS = ("float32", "bfloat16", "fp8")
+from ess_jax.config.schema import PRECISIONS  # noqa: F401  (the sampler's modes, listed there)
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 # weight matrix name -> its contraction (input) axes; the rest are output channels

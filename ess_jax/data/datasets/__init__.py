@@ -23,7 +23,7 @@ BUILDERS: dict[str, str] = {
     "gsm8k": "ess_jax.data.datasets.gsm8k:Gsm8k",
     "deepscaler": "ess_jax.data.datasets.deepscaler:Deepscaler",
     "math": "ess_jax.data.datasets.math_dataset:Math",
-    # held-out evaluation sets (PAPER.md E6; tools/evaluate.py)
+    # held-out evaluation sets (docs/method.md, E6; tools/evaluate.py)
     "aime24": "ess_jax.data.datasets.competition:Competition",
     "aime25": "ess_jax.data.datasets.competition:Competition",
     "amc23": "ess_jax.data.datasets.competition:Competition",
