@@ -8,5 +8,6 @@
 
 Run from the repository root (it is not installed with ess_jax). Shared parts: common.py
 (sizes, FLOP counts, timing), train.py / decode.py / rl.py (one section each), report.py and
-gpu_report.py (tables and headline ratios). notes.md: what each design decision measured.
+gpu_report.py (tables and headline ratios). BENCHMARKS.md: the CPU figures (its generated
+part) and the design decisions with their measurements (hand-written, kept by every run).
 """

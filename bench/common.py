@@ -25,7 +25,7 @@ MODES = ("greedy", "sampled")
 class Sizes:
     """Everything that sets the work of a run (bench/cpu.py presets these; --set overrides)."""
 
-    # the Llama both sides run (defaults: ~32M params, the model of issue 11's figures)
+    # the Llama both sides run (defaults: ~32M params, the model of BENCHMARKS.md's figures)
     dim: int = 512
     mlp: int = 1408
     layers: int = 8
@@ -159,11 +159,11 @@ def max_logit_diff(hf, cfg, params, tokens_BxT) -> float:
     import numpy as np
     import torch
 
-    from ess_jax.model import decoder as model
+    from ess_jax.model import decoder as model_lib
 
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(np.asarray(tokens_BxT), dtype=torch.long)).logits
-    ours = model.apply(cfg, params, jax.numpy.asarray(tokens_BxT))
+    ours = model_lib.apply(cfg, params, jax.numpy.asarray(tokens_BxT))
     return float(np.max(np.abs(np.asarray(ours) - ref.numpy())))
 
 
@@ -236,9 +236,9 @@ def time_round_robin(
     returns is recorded if it is its own measured seconds (a float or a dict of them), else
     its wall time is.
     With `prime`, each timed call follows an untimed call of the same fn, so that it never
-    runs right after the other framework: on this machine a JAX train step right after a
-    torch step took 3.4-3.8 s, right after a JAX step 2.55-2.6 s (bench/notes.md),
-    and in a training loop a step follows a step of its own kind.
+    runs right after the other framework: on a 2-core CPU a JAX train step right after a
+    torch step takes 2.9-3.2 s, right after a JAX step 2.5-3.0 s (BENCHMARKS.md, "How the
+    bench measures"), and in a training loop a step follows a step of its own kind.
     Returns ({name: [result per repeat]}, names of the XLA compilations while timing)."""
     warm = warm or {}
     for _ in range(warmup):

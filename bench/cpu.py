@@ -12,15 +12,16 @@ loaded into ess_jax by its own loader (weights.load_hf), so both sides hold iden
   2. the train step (forward + backward + AdamW, P3O): ess_jax's jitted step against a
      PyTorch loop over the Hugging Face model, eager and under torch.compile, on one batch;
      tokens/s and MFU = model FLOPs/s over the ceiling, with the FLOP count
-     6 * N * tokens + 12 * L * H * K * T * tokens (bench_common.train_flops);
+     6 * N * tokens + 12 * L * H * K * T * tokens (common.train_flops);
   3. the sampler against Hugging Face `generate` (KV cache), greedy and sampled, at batch 1
      and 32: prefill and decode tokens/s, and ms per decode step at L and 2L new tokens;
   4. one full RL step taken apart (sampling, reward, old-logp pass if any, update) with P3O
      and GRPO at 1 and 4 micro-batches, and the ESS objective's overhead in it.
 Every figure is a median over repeats after warm-up; calls alternate between competitors.
-It prints markdown tables (ratios: ess_jax over the peer), writes BENCHMARKS.md (machine,
-versions, command, tables) on a full run or with --md, and with --json the headline ratios
-(keys in bench_report.headline: train_vs_torch, train_mfu, decode_vs_hf_b32,
+It prints markdown tables (ratios: ess_jax over the peer), writes them (with machine,
+versions, command) into BENCHMARKS.md between its two markers on a full run, or into --md's
+file (report.write_report: the rest of the file is kept), and with --json the headline ratios
+(keys in report.headline: train_vs_torch, train_mfu, decode_vs_hf_b32,
 decode_len_scaling, ess_overhead, ...) plus every measurement under "details".
 
 --quick keeps the model and measures less: one matmul size, a train batch of 8 x 128
@@ -31,8 +32,8 @@ Run time. `--estimate` adds up the FLOPs of every call the run makes (warm-ups i
 divided by the ceiling times an efficiency (train steps and prefill 50% of it, batch-32
 decode steps 20%, batch-1 decode steps bound by reading every weight at 15 GB/s, plus
 10 ms of Python per `generate` step), plus one-off compiles (20 s per jitted train step,
-8 s per sampler program, 120 s for a cold torch.compile); efficiencies are issue 11's
-figures for this model on 2 cores. At a 150 GFLOP/s ceiling it predicts about 6 min for
+8 s per sampler program, 120 s for a cold torch.compile); the efficiencies are measured on
+this model on a 2-core CPU. At a 150 GFLOP/s ceiling it predicts about 6 min for
 --quick, 2 of them torch.compile's first (cold) compile, which inductor caches: about 4 min
 on later runs. The full run: about 15 min, half of it the batch-32 decode at 128 and 256
 new tokens (--set overrides any size, e.g. --set repeats=5; --estimate shows the effect).
@@ -201,7 +202,7 @@ def run(s: Sizes, compile_torch: bool = True) -> dict:
     from bench.decode import bench_decode
     from bench.rl import bench_rl
     from bench.train import bench_train, gemm_ceiling
-    from ess_jax.model import decoder as model
+    from ess_jax.model import decoder as model_lib
 
     load0 = os.getloadavg()[0]
     mesh = one_device_mesh()
@@ -210,7 +211,7 @@ def run(s: Sizes, compile_torch: bool = True) -> dict:
     diff = max_logit_diff(hf, cfg, params, probe)
     if not diff <= 1e-3:
         raise RuntimeError(f"the two sides do not run the same model: max |logit diff| = {diff}")
-    n_params = model.num_params(params)
+    n_params = model_lib.num_params(params)
     say = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)
     say(f"llama, {n_params:,} params, max |logit diff| {diff:.1e}; matmul ceiling")
     res = {"gemm": gemm_ceiling(s)}
@@ -253,7 +254,7 @@ def main(argv=None) -> dict:
         import torch
 
         torch.set_num_threads(1)
-    from bench.report import environment, headline, markdown, tables
+    from bench.report import environment, headline, markdown, tables, write_report
 
     res = run(s, compile_torch=not args.no_compile)
     head = headline(res, s)
@@ -263,8 +264,8 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump({**head, "sizes": dataclasses.asdict(s), "details": res}, f, indent=1)
     if args.md:
-        with open(args.md, "w") as f:
-            f.write(markdown(res, s, environment(sys.argv[1:] if argv is None else argv), head))
+        env = environment(sys.argv[1:] if argv is None else argv)
+        write_report(args.md, markdown(res, s, env, head))
         print(f"wrote {args.md}")
     return head
 

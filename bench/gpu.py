@@ -12,7 +12,7 @@ writes the report. Per side:
      the device's copy bandwidth (y = 2x on a 2 GiB bfloat16 array, bytes read + written);
   2. the train step (forward + backward + AdamW, P3O; GRPO too for the ESS overhead):
      float32 master weights, bfloat16 compute (ess_jax: ModelConfig.dtype; torch: autocast),
-     tokens/s and MFU = train_flops / s / the measured bf16 ceiling (bench_common's FLOP model);
+     tokens/s and MFU = train_flops / s / the measured bf16 ceiling (bench/common.py's FLOP model);
      and the P3O step again with model.attention_impl "cudnn" (jax.nn.dot_product_attention's
      fused kernel) against the einsum attention (section train_fused); P3O and GRPO over 4
      micro-batches, the step-scope ESS's statistics pass (section ess_microbatched);
@@ -105,9 +105,9 @@ def say(msg: str) -> None:
 
 
 def model_config(s: Sizes):
-    from ess_jax.model import decoder as model
+    from ess_jax.model import decoder as model_lib
 
-    return model.ModelConfig(
+    return model_lib.ModelConfig(
         vocab_size=s.vocab,
         hidden_size=s.dim,
         intermediate_size=s.mlp,
@@ -151,7 +151,7 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
     from bench.common import one_device_mesh
     from bench.decode import jax_runner
     from bench.train import jax_trainer
-    from ess_jax.model import decoder as model
+    from ess_jax.model import decoder as model_lib
     from ess_jax.sampling import precision
 
     if s != TINY and jax.devices()[0].platform == "cpu":  # a broken CUDA plugin falls back
@@ -180,8 +180,8 @@ def part_jax(s: Sizes, budget: float, save, sections=SECTIONS) -> dict:
 
     cfg = model_config(s)
     mesh = one_device_mesh()
-    params = model.init_params(cfg, 0, model.param_shardings(cfg, mesh, "train"))
-    res["params"] = model.num_params(params)
+    params = model_lib.init_params(cfg, 0, model_lib.param_shardings(cfg, mesh, "train"))
+    res["params"] = model_lib.num_params(params)
     batch = train_batch(s)
     res["train"] = {}
 

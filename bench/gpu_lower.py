@@ -65,7 +65,7 @@ def programs(s):
     from bench.common import one_device_mesh
     from bench.decode import runner_static
     from bench.train import OPTIM, make_optimizer
-    from ess_jax.model import decoder as model
+    from ess_jax.model import decoder as model_lib
     from ess_jax.model import kv_cache
     from ess_jax.objectives import ObjectiveConfig
     from ess_jax.parallel import sharding
@@ -76,7 +76,7 @@ def programs(s):
     mesh = one_device_mesh()
     rep = sharding.replicated(mesh)
     tx = make_optimizer(OPTIM)
-    params = jax.eval_shape(lambda: model.init_params(cfg, 0))  # shapes only: nothing allocated
+    params = jax.eval_shape(lambda: model_lib.init_params(cfg, 0))  # shapes only: nothing allocated
     state = jax.eval_shape(
         lambda p: steps.TrainState(p, tx.init(p), jnp.int32(0), jnp.int32(0)), params
     )

@@ -1,5 +1,6 @@
-"""Part of bench/cpu.py: the headline ratios (its --json), the tables it prints, and
-BENCHMARKS.md (machine, versions, command, tables)."""
+"""Part of bench/cpu.py: the headline ratios (its --json), the tables it prints, and its part
+of BENCHMARKS.md (machine, versions, command, tables), written between BEGIN and END so that
+the hand-written rest of that file stays as it is."""
 
 from __future__ import annotations
 
@@ -221,20 +222,20 @@ def environment(argv: list[str]) -> dict:
         "versions": {m: _version(m) for m in libs},
         "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["python", "bench/cpu.py", *argv]),
+        "command": " ".join(["python", "-m", "bench", *argv]),
     }
 
 
 def markdown(res: dict, s: Sizes, env: dict, head: dict) -> str:
+    """The run's part of the report (`write_report` puts it in place)."""
     vers = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
-    return f"""# Benchmarks
-
-Written by `bench/cpu.py`; rerun the command below on a quiet machine to replace this file.
-Both sides run the same Llama weights (initialised by Hugging Face, loaded by ess_jax's
-loader) on the same batches, in float32; every figure is a median over {s.repeats} repeats
-after {s.warmup} warm-up call(s), the competitors taking turns in each round. Ratios are ess_jax
-over the peer (above 1: ess_jax ahead), each the median of its per-round ratios, so that a
-change of machine speed between rounds cancels.
+    return f"""Written by `python -m bench` (bench/cpu.py), which replaces this part on every full
+run and keeps the rest of the file; rerun the command below on a quiet machine. Both sides run
+the same Llama weights (initialised by Hugging Face, loaded by ess_jax's loader) on the same
+batches, in float32; every figure is a median over {s.repeats} repeats after {s.warmup} warm-up
+call(s), the competitors taking turns in each round. Ratios are ess_jax over the peer (above
+1: ess_jax ahead), each the median of its per-round ratios, so that a change of machine speed
+between rounds cancels.
 
 - command: `{env["command"]}`
 - commit: {env["commit"]}; date: {env["date"]}
@@ -251,15 +252,21 @@ Headline ratios (the `--json` output):
 ```json
 {json.dumps(head, indent=1)}
 ```
-{notes()}"""
+"""
 
 
-NOTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_notes.md")
+BEGIN = "<!-- python -m bench writes from here to the END marker; the rest is hand-written -->"
+END = "<!-- END of the part python -m bench writes -->"
 
 
-def notes() -> str:
-    """The hand-written profile notes (bench/notes.md: what was profiled, what was
-    predicted and what came out), carried into every BENCHMARKS.md a run writes."""
-    if not os.path.exists(NOTES):
-        return ""
-    return "\n" + open(NOTES).read()
+def write_report(path: str, generated: str) -> None:
+    """Writes a run's part of the report (`markdown`) into `path` between BEGIN and END, keeping
+    what the file holds around them (BENCHMARKS.md's hand-written sections); a file without
+    both markers is replaced by a title and the run's part."""
+    block = f"{BEGIN}\n{generated.strip()}\n{END}"
+    text = open(path).read() if os.path.exists(path) else ""
+    head, begin, rest = text.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    out = head + block + tail if begin and end else f"# Benchmarks\n\n{block}\n"
+    with open(path, "w") as f:
+        f.write(out)

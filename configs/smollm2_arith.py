@@ -4,7 +4,7 @@
     python -m ess_jax.main --config=configs/smollm2_arith.py --workdir=runs/smollm2
 
 Arithmetic word problems (the synthetic addition task phrased in words, chat template applied)
-with the P3O objective. Runs on this 2-core CPU but slowly: see README.md for the measured
+with the P3O objective. Runs on this 2-core CPU but slowly: see docs/models.md for the measured
 time per step. `--config=configs/smollm2_arith.py:tiny` runs 2 steps.
 """
 

@@ -6,7 +6,8 @@ mismatch only).
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/e1/grpo_eps0.2
 
-(other arms: replace both `grpo_eps0.2`; another mesh: `:grpo_eps0.2,v5p-8`, see README).
+(other arms: replace both `grpo_eps0.2`; another mesh: `:grpo_eps0.2,v5p-8`, see
+docs/paper_scale.md).
 
 Paper numbers to reproduce (train reward, ~35 steps): eps 0.2 collapses (~0.5 -> 0.13 by step
 35), eps 0.6 holds ~0.5, P3O ~0.51. Held-out pass@1 at 4K tokens (tools/evaluate.py), GRPO

@@ -81,7 +81,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.ess_scope = "step"
     # KL(pi || pi_b) of P3O: k3 | k1 | k2 (sampled token) | full (whole vocabulary, p3o only: pi_b
     # re-scored by a second forward per update; needs model.logits_chunk > 0, a float32 sampler
-    # and temperature > 0; README "The KL term")
+    # and temperature > 0; docs/configs.md, "The KL term")
     c.objective.kl_estimator = "k3"
     c.objective.ref_kl_estimator = "k3"
     c.objective.aggregation = "token_mean"

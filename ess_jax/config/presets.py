@@ -12,7 +12,7 @@ SLURM / Open MPI are detected; otherwise set JAX_COORDINATOR_ADDRESS, JAX_NUM_PR
 JAX_PROCESS_ID).
 
 KNOWN_MODELS: the config.json fields of those models (and SmolLM2), so that the memory planner
-(memory.py) and the config checks can size a run without the checkpoint.
+(ess_jax/memory/planner.py) and the config checks can size a run without the checkpoint.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ess_jax.model import decoder as model
+from ess_jax.model import decoder as model_lib
 from ess_jax.model.decoder import ModelConfig, Params
 from ess_jax.parallel import sharding
 
@@ -48,7 +48,7 @@ def flat(tree) -> dict[tuple, Any]:
 
 
 def flat_abstract(cfg: ModelConfig) -> dict[tuple, jax.ShapeDtypeStruct]:
-    return flat(model.abstract_params(cfg))
+    return flat(model_lib.abstract_params(cfg))
 
 
 def hf_name(path: tuple) -> str:
@@ -80,7 +80,7 @@ def to_hf(path: tuple, x: np.ndarray) -> np.ndarray:
 
 def unflatten(cfg: ModelConfig, flat: Mapping[tuple, Any]) -> Params:
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: flat[tuple(path_key(e) for e in path)], model.abstract_params(cfg)
+        lambda path, _: flat[tuple(path_key(e) for e in path)], model_lib.abstract_params(cfg)
     )
 
 
@@ -88,7 +88,7 @@ def placer(cfg: ModelConfig, mesh: Mesh | None, layout: str):
     """Function (path, host array) -> device array, on its sharding when a mesh is given."""
     if mesh is None:
         return lambda path, x: jnp.asarray(x)
-    shardings = flat(model.param_shardings(cfg, mesh, layout))
+    shardings = flat(model_lib.param_shardings(cfg, mesh, layout))
     # Each device gets only its shard; with several processes, each host places only its own
     # devices' slices (every host reads the same file).
     return lambda path, x: sharding.put_host_array(x, shardings[path])

@@ -179,7 +179,7 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
             "sampler_tmp": max(terms["prefill"], terms["decode"]),
         }
     e = config.eval
-    if e.every:  # evaluate.py samples in float32 from a sample-layout copy of the params
+    if e.every:  # rl/heldout.py samples in float32 from a sample-layout copy of the params
         terms = sampler_terms(
             cfg.replace(dtype="float32"), amesh, e.batch_size, e.k, bucket_length(prompt_len),
             e.max_new_tokens, "float32",

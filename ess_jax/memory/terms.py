@@ -1,7 +1,7 @@
-"""The per-device byte counts behind memory.py's plan: params, their sampler copy and AdamW
+"""The per-device byte counts behind planner.py's plan: params, their sampler copy and AdamW
 state in a layout on a (possibly abstract) mesh, and the transients of one train step
 (`train_terms`) and one sampler call (`sampler_terms`), each a shape count times a coefficient
-fitted to XLA's `compiled.memory_analysis()` on CPU (COEF; memory.py's docstring says how they
+fitted to XLA's `compiled.memory_analysis()` on CPU (COEF; planner.py's docstring says how they
 are checked).
 """
 

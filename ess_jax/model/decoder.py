@@ -311,7 +311,7 @@ def _init(cfg: ModelConfig, key: jax.Array) -> Params:
 def init_params(cfg: ModelConfig, rng: jax.Array | int = 0, shardings=None) -> Params:
     """Random float32 parameters as a plain nested dict.
 
-    With `shardings` (e.g. `layouts.param_shardings(cfg, mesh)`) each parameter is created
+    With `shardings` (e.g. `param_shardings(cfg, mesh)`) each parameter is created
     directly in its shard: the full model never exists on one device.
     """
     # rbg keys: XLA:CPU takes ~10x longer to compile threefry for every param's normal draw

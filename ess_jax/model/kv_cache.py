@@ -3,7 +3,7 @@
 Keys are stored transposed so that a decode step's score product (one query per row and kv
 head against S keys) streams along the cache, as the value product does (layers' module
 docstring has the measurement). Forwards with several queries (the prefill) read the keys
-transposed back. Axis alphabet as in model.py.
+transposed back. Axis alphabet as in decoder.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Stateless pieces of the decoder: projections, RMSNorm, rotary embeddings, the attention core.
 
-Axis alphabet as in model.py: B batch, T queries, S keys, N kv heads, G query heads per kv
-head, K head dim. model.py holds the parameters and wires these together.
+Axis alphabet as in decoder.py: B batch, T queries, S keys, N kv heads, G query heads per kv
+head, K head dim. decoder.py holds the parameters and wires these together.
 
 Attention has two code paths with the same numbers (both checked against teacher forcing and
 Hugging Face through the model and sampler tests):
@@ -10,14 +10,14 @@ Hugging Face through the model and sampler tests):
     causal blocks that skip the keys past each block's last query (`causal_blocks`);
   - one query per row against the KV cache (a decode step, `decode_attention`): elementwise
     multiply-and-sum over the keys, which the cache stores transposed, [B, N, K, S]. XLA:CPU
-    hands the score product to one YNNPACK fusion (multiply, then reduce over K) either way;
-    with keys as [B, N, S, K] it reduced along the minor axis, with [B, N, K, S] it streams
-    along S as the value product does. The sampler on bench/cpu.py's model, batch 32,
-    64-token prompts, sampled, alternated processes: 31.2-32.3 -> 28.8-28.9 ms per step at
-    256 new tokens, 27.2-27.4 -> 25.1-25.3 at 128 (bench_notes: tried before and reverted,
-    when the cache copies of the time hid it). As on the einsum path, scores are float32
-    products and sums, the softmax probabilities are rounded to the compute dtype before the
-    value product (as bf16 attention kernels do), and the output is in the compute dtype.
+    hands the score product to one YNNPACK fusion (multiply, then reduce over K), which then
+    streams along S as the value product does (with keys as [B, N, S, K] it reduces along
+    the minor axis). The sampler on bench/cpu.py's model, batch 32, 64-token prompts,
+    sampled: 28.8-28.9 ms per step at 256 new tokens against 31.2-32.3 with [B, N, S, K]
+    keys, 25.1-25.3 against 27.2-27.4 at 128 (BENCHMARKS.md, design decisions). As on the
+    einsum path, scores are float32 products and sums, the softmax probabilities are rounded
+    to the compute dtype before the value product (as bf16 attention kernels do), and the
+    output is in the compute dtype.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, out_dtype=None) -> jax.Arra
     on XLA:CPU: with the leading axes kept apart, each weight gradient contracts over two axes
     (b, t), which XLA normalises with a transpose of the [B*T, F] activation (a copy per weight
     gradient, ~14% of the train step's op time at bench/cpu.py's shapes); merged, it is one
-    transposed-operand GEMM. MLP block forward + backward, [8, 256, 512] x 1408: 216 -> 160 ms.
+    transposed-operand GEMM. MLP block forward + backward, [8, 256, 512] x 1408: 160 ms, 216
+    as einsums.
     The merges are reshapes of the major axes, so batch and head shardings carry through.
     """
     lead, ins = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in :]
@@ -119,8 +120,9 @@ def attention(
     == 0, the queries go in up to CAUSAL_BLOCKS blocks and each block's scores cover only the
     keys up to its last query, which the causal mask would zero anyway: the same numbers, about
     5/8 of the score work at 4 blocks (train step attention at bench/cpu.py's 8 x 256 shapes,
-    forward + backward per layer: ~50 -> ~40 ms). Chunked attention keeps one `lax.map` over
-    same-shaped chunks (its memory bound), so every chunk attends over all S keys.
+    forward + backward per layer: ~40 ms, ~50 over all keys). Chunked attention keeps one
+    `lax.map` over same-shaped chunks (its memory bound), so every chunk attends over all S
+    keys.
     """
     t, dt = q_BxTxNxGxK.shape[1], q_BxTxNxGxK.dtype
     k_all, v_all = k_BxNxSxK.astype(dt), v_BxNxSxK.astype(dt)
@@ -228,8 +230,8 @@ def _attend(q_BxCxNxGxK, query_idx_C, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS):
     mask_BxCxS = (key_idx[None, :] <= query_idx_C[:, None])[None] & kv_mask_BxS[:, None]
     # Queries as [B, N, G*C, K]: both products are then plain batched GEMMs over (b, n),
     # whose backward needs no transposes of the [.., C, S] scores (with the queries as
-    # [B, C, N, G, K] XLA:CPU copied 12 of them per layer; attention forward + backward
-    # at the bench's 8 x 256 shapes: 86 -> 54 ms per layer).
+    # [B, C, N, G, K] XLA:CPU copies 12 of them per layer; attention forward + backward
+    # at the bench's 8 x 256 shapes: 54 ms per layer, 86 with that layout).
     q_BxNxMxK = q_BxCxNxGxK.transpose(0, 2, 3, 1, 4).reshape(b, n, g * c, kd)
     scores = jnp.einsum("bnmk,bnsk->bnms", q_BxNxMxK, k_BxNxSxK, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, n, g, c, -1) / math.sqrt(kd)
@@ -243,7 +245,7 @@ def _softmax(x: jax.Array) -> jax.Array:
     """Softmax over the last axis as exp(x - logsumexp(x)): jax.nn.softmax's numbers to float
     rounding (a fully masked row is uniform in both), but a cheaper backward on XLA:CPU, which
     for jax.nn.softmax materialises the broadcast 1 / sum as a [.., C, S] array per layer.
-    Attention forward + backward at bench/cpu.py's 8 x 256 shapes (4 causal blocks): 38 ->
-    26 ms per layer (8 alternated rounds)."""
+    Attention forward + backward at bench/cpu.py's 8 x 256 shapes (4 causal blocks): 26 ms
+    per layer, 38 with jax.nn.softmax (8 alternated rounds)."""
     shifted = x - jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     return jnp.exp(shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)))

@@ -4,7 +4,8 @@ not all equal (a group with equal rewards has zero advantage everywhere: no sign
 rollout.dynamic_sampling=False: the step's one sampling round is the batch, as it comes.
 rollout.dynamic_sampling=True, rollout.max_resample_rounds=0 (the default): the constant groups
     stay in the batch with a zero loss mask (`rollout.collect` masks them). configs/mini's DAPO
-    arm runs this; its metrics rows are what they were before resampling existed.
+    arm runs this: one sampling round per step, the setting its recorded metrics rows come
+    from.
 rollout.dynamic_sampling=True, rollout.max_resample_rounds=K > 0 (the DAPO paper): up to K
     extra rounds, each a fresh batch of prompts_per_step prompts from the data stream (the
     batcher advances, so the checkpointed data position covers them), sampled by the same

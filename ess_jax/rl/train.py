@@ -266,9 +266,7 @@ class Run:
         full = steps.full_kl_inputs(*args, self.state_sh.params)  # None unless kl_estimator full
         batch = sharding_lib.shard_batch(steps.rollout_to_batch(rollout, full), self.mesh)
         score = steps.score_fn(self.cfg, rollout.prompt_len, self.mesh, t.num_microbatches * n_upd)
-        if (
-            obj_lib.get_objective(self.obj_cfg.name).needs_prox
-        ):  # snapshot before the first update on this batch
+        if obj_lib.get_objective(self.obj_cfg.name).needs_prox:  # pi_prox: before any update
             batch["prox_logp"] = score(self.state.params, batch)
         if self.ref_params is not None:
             batch["ref_logp"] = score(self.ref_params, batch)

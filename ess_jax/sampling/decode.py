@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from ess_jax.model import decoder as model
+from ess_jax.model import decoder as model_lib
 from ess_jax.model import kv_cache
-from ess_jax.parallel import sharding as shd
+from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.sampling import draw as draw_lib
 from ess_jax.sampling import precision as precision_lib
 
@@ -60,7 +60,9 @@ def _constrain(tree, mesh: Mesh | None, logical):
         return tree
 
     def one(x, names):
-        spec = shd.logical_to_spec(names[: x.ndim], x.shape, mesh, shd.SAMPLE_RULES)
+        spec = sharding_lib.logical_to_spec(
+            names[: x.ndim], x.shape, mesh, sharding_lib.SAMPLE_RULES
+        )
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
     return jax.tree.map(lambda x: one(x, logical), tree)
@@ -136,8 +138,8 @@ def prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, 
     b, p = prompts_BxP.shape
     t, n = st.max_new_tokens, st.num_samples
     kv_mask = jnp.concatenate([mask_BxP, jnp.ones((b, t), bool)], axis=1)
-    positions = model.positions_from_mask(mask_BxP)
-    module = model.bind(cfg, params)
+    positions = model_lib.positions_from_mask(mask_BxP)
+    module = model_lib.bind(cfg, params)
     cache = kv_cache.init_cache(cfg, b, p + decode_bounds(t)[0])  # the first segment's length
     x, cache = module.hidden(cfg, prompts_BxP, positions, kv_mask, cache, 0, attend_len=p)
     logits = module.logits(cfg, x[:, -1:])  # the last position only: no [B, P, V] logits
@@ -182,7 +184,7 @@ def decode_segment(params, s: DecodeState, temperature, top_p, *, bound, cfg, st
 
     def body(s):
         prev = jax.lax.dynamic_index_in_dim(s.tokens, s.step - 1, axis=1, keepdims=True)
-        logits, cache = model.forward(
+        logits, cache = model_lib.forward(
             cfg,
             precision_lib.dequantize(params),
             prev,
@@ -213,11 +215,12 @@ class Decode:
     first segment's length by the prefill, zero-padded to the next one's between segments, a
     layer at a time (so beside the grown cache at most one layer's old K and V are alive). A
     decode step attends over its whole cache, read after the step's in-place write. Attending
-    over a slice of a cache allocated at full length instead made XLA fuse the slice with the
-    write, read the old buffer and so copy the whole cache twice per layer and step
-    (bench/cpu.py's model, batch 32, 64 + 256 positions: 54-61 ms per step in the first
-    three segments against 36 in the last, which attends over more keys; 25-30 with the
-    growing cache; tests/test_decode_cache.py checks the compiled loops for copies, on CPU).
+    over a slice of a cache allocated at full length instead makes XLA fuse the slice with the
+    write, read the old buffer and so copy the whole cache twice per layer and step: on
+    bench/cpu.py's model, batch 32, 64 + 256 positions, the first three segments then take
+    54-61 ms per step (the last, which attends over more keys, 36), against 25-30 with the
+    growing cache (BENCHMARKS.md; tests/test_decode_cache.py checks the compiled loops for
+    copies, on CPU).
     Once every row has stopped, the remaining segments (and their grows) are skipped."""
 
     def __init__(self, cfg, st, mesh):

@@ -14,7 +14,8 @@ drew from:
   compute      float32, as the float32 sampler computes (whatever `model.dtype` the trainer uses)
   temperature  logits / T, with the sampler's float32 T
   top-k/top-p  the sampler's own kept-support rule (`draw.kept_support`), renormalised
-A bf16 / fp8 sampler or greedy decoding cannot be re-scored exactly (config_checks refuses them).
+A bf16 / fp8 sampler or greedy decoding cannot be re-scored exactly (config/schema.py
+check_full_kl refuses them).
 
 With top-k / top-p, pi_b is 0 outside its kept support S, so KL(pi || pi_b) is +inf; the loss
 then uses KL(pi(.|S) || pi_b), pi conditioned on S (`kl.kl_on_support`): the exact KL when
@@ -71,7 +72,7 @@ class Behaviour:
 
 
 def behaviour_logprobs(logits_BxCxV: jax.Array, b: Behaviour) -> tuple[jax.Array, jax.Array]:
-    """(log pi_b, kept support) from the behaviour model's logits, as the sampler's `_draw`
+    """(log pi_b, kept support) from the behaviour model's logits, as `draw.draw`
     computes them: log_softmax(logits / T) renormalised over the kept support, -inf outside."""
     v = logits_BxCxV.shape[-1]
     scaled = logits_BxCxV.astype(jnp.float32) / jnp.float32(b.temperature)
@@ -94,7 +95,7 @@ def logp_fn_for(
     entropy: bool = False,
     chunk: int | None = None,
 ):
-    """`logp_fn(params, mb)` for `accumulate.step_loss_and_grad`: (logp_BxT, extras) with
+    """`logp_fn(params, mb)` for `objectives.scopes.step_loss_and_grad`: (logp_BxT, extras) with
       logp                     the policy's response log-probs (T = 1, float32, with gradient)
       kl_full                  per-token KL(pi || pi_b) (on pi_b's support), gradient through pi
       rescored_behaviour_logp  log pi_b(y_t) of the re-score: must match the recorded one

@@ -44,8 +44,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from ess_jax.model import decoder as model
-from ess_jax.parallel import sharding as shd
+from ess_jax.model import decoder as model_lib
+from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.sampling import decode as decode_lib
 from ess_jax.sampling import precision as precision_lib
 from ess_jax.sampling.decode import decode_bounds  # noqa: F401  (re-exported: part of the API)
@@ -97,7 +97,7 @@ def bucket_length(p: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(cfg: model.ModelConfig, st: decode_lib.Static, mesh: Mesh | None):
+def _compiled(cfg: model_lib.ModelConfig, st: decode_lib.Static, mesh: Mesh | None):
     """(prefill, decode) for one static configuration; jit caches per shape."""
     prefill = jax.jit(functools.partial(decode_lib.prefill, cfg=cfg, st=st, mesh=mesh))
     return prefill, decode_lib.Decode(cfg, st, mesh)
@@ -117,28 +117,28 @@ def _infer_mesh(params) -> Mesh | None:
 def _place(x, mesh: Mesh | None):
     if mesh is None or mesh.size == 1:
         return jnp.asarray(x)
-    spec = shd.logical_to_spec(
-        ("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh, shd.SAMPLE_RULES
+    spec = sharding_lib.logical_to_spec(
+        ("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh, sharding_lib.SAMPLE_RULES
     )
-    return shd.put_host_array(np.asarray(x), NamedSharding(mesh, spec))
+    return sharding_lib.put_host_array(np.asarray(x), NamedSharding(mesh, spec))
 
 
-def sample_layout(cfg: model.ModelConfig, params, mesh: Mesh | None = None):
+def sample_layout(cfg: model_lib.ModelConfig, params, mesh: Mesh | None = None):
     """`params` in the sampling layout (a copy unless they are there already)."""
     mesh = mesh if mesh is not None else _infer_mesh(params)
     if mesh is None or mesh.size == 1:
         return params
-    target = model.param_shardings(cfg, mesh, "sample")
+    target = model_lib.param_shardings(cfg, mesh, "sample")
     if any(
         getattr(x, "sharding", None) != t
         for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(target))
     ):
-        params = shd.reshard(params, target)
+        params = sharding_lib.reshard(params, target)
     return params
 
 
 def sample(
-    cfg: model.ModelConfig,
+    cfg: model_lib.ModelConfig,
     params,
     prompt_tokens_BxP,
     prompt_mask_BxP,
