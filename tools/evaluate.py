@@ -1,4 +1,4 @@
-"""Held-out evaluation of any checkpoint (PAPER.md E6): pass@1..16 on AIME 2024, AIME 2025,
+"""Held-out evaluation of any checkpoint (docs/method.md, E6): pass@1..16 on AIME 2024, AIME 2025,
 AMC 2023 and MATH-500 at 4K and 16K new tokens, printed as the paper's table.
 
     python tools/evaluate.py --checkpoint=runs/paper/e1/p3o/hf \
