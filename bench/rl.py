@@ -94,10 +94,10 @@ def bench_rl(cfg, params, mesh, s: Sizes) -> dict:
     state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
     batch_sh = sharding_lib.batch_sharding(mesh)
     runs = {}
-    for label, m, ocfg in variants(s):
-        step = steps.make_rl_step(cfg, tx, ocfg, m, s.rl_prompt, state_sh, batch_sh)
+    for label, m, objective_cfg in variants(s):
+        step = steps.make_rl_step(cfg, tx, objective_cfg, m, s.rl_prompt, state_sh, batch_sh)
         score = None
-        if obj_lib.get_objective(ocfg.name).needs_prox:
+        if obj_lib.get_objective(objective_cfg.name).needs_prox:
             score = steps.score_fn(cfg, s.rl_prompt, mesh, m)
         runs[label] = (step, score)
 

@@ -21,7 +21,7 @@ from ess_jax.config.defaults import base_config
 
 STEPS = 150
 
-# Objective arms: config overrides, named as in configs/paper/ (issue 13).
+# Objective arms: config overrides, named as in configs/paper/.
 OBJECTIVES = {
     "grpo_eps0.2": {"name": "grpo", "clip_eps_low": 0.2, "clip_eps_high": 0.2},
     "grpo_eps0.4": {"name": "grpo", "clip_eps_low": 0.4, "clip_eps_high": 0.4},

@@ -119,18 +119,25 @@ class FullKL(NamedTuple):
 
 
 def make_rl_step(
-    cfg, tx, obj_cfg, num_microbatches, prompt_len, state_sh, batch_sh, full: FullKL | None = None
+    cfg,
+    tx,
+    objective_cfg,
+    num_microbatches,
+    prompt_len,
+    state_sh,
+    batch_sh,
+    full: FullKL | None = None,
 ):
     """One optimizer update on a rollout (mini-)batch with the configured objective.
 
     With `full` (objective.kl_estimator "full") the step takes a third argument, `full.params`,
     the behaviour params that pi_b's whole distribution is re-scored with; without "policy"
     among them, pi_b is the current policy (the params the sampler held: lag 0, one update)."""
-    entropy = obj_cfg.beta_ent != 0
+    entropy = objective_cfg.beta_ent != 0
 
     def update(state, batch, logp_fn):
         loss, grads, metrics = scopes.step_loss_and_grad(
-            logp_fn, state.params, batch, obj_cfg, num_microbatches
+            logp_fn, state.params, batch, objective_cfg, num_microbatches
         )
         state, grad_norm, ok = _apply_update(state, tx, loss, grads)
         return state, {**metrics, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
@@ -158,14 +165,14 @@ def make_rl_step(
 
 
 def full_kl_inputs(
-    obj_cfg, rcfg, params_b, lag: int, updates_per_batch: int, external, policy_sh
+    objective_cfg, rcfg, params_b, lag: int, updates_per_batch: int, external, policy_sh
 ) -> FullKL | None:
     """None unless objective.kl_estimator is "full"; else what the step re-scores pi_b with.
 
     The params the sampler held: none (the current ones) with lag 0 and one update per batch;
     else its history version, copied with lag 0 (the history then holds the train params' own
     buffers, which the first update donates): one more copy of the params for the step."""
-    if obj_cfg.kl_estimator != obj_lib.FULL_KL:
+    if objective_cfg.kl_estimator != obj_lib.FULL_KL:
         return None
     bparams, bsh = {}, {}
     if lag or updates_per_batch > 1:

@@ -69,19 +69,19 @@ class Run:
 
     def _build(self, config) -> None:
         self.mesh = sharding_lib.make_mesh(dict(config.mesh))
-        self.cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
+        self.model_cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
         self.stop_ids = experiment.stop_ids(config, self.tokenizer)
         self.rollout_cfg = _with_stop_ids(config.rollout, self.stop_ids)
         self.train_examples, self.test_examples = experiment.load_examples(config.task)
         self.reward_fn = rewards_lib.get_reward(config.task.reward)
-        self.sample_sh = model_lib.param_shardings(self.cfg, self.mesh, "sample")
-        self.obj_cfg = obj_lib.objective_config(config.objective.to_dict())
-        ocfg = {
+        self.sample_sh = model_lib.param_shardings(self.model_cfg, self.mesh, "sample")
+        self.objective_cfg = obj_lib.objective_config(config.objective.to_dict())
+        optim_cfg = {
             **config.optim.to_dict(),
             "total_steps": config.train.steps * config.train.updates_per_batch,
         }
-        self.tx = make_optimizer(ocfg)
-        self.lr_schedule = learning_rate_schedule(ocfg)
+        self.tx = make_optimizer(optim_cfg)
+        self.lr_schedule = learning_rate_schedule(optim_cfg)
         self.state, self.state_sh = steps.init_state(params, self.tx, self.mesh)
         self.batcher = PromptBatcher(
             self.train_examples,
@@ -98,10 +98,10 @@ class Run:
                 self.mesh,
                 need_tokenizer=False,
             )
-            if ecfg.vocab_size != self.cfg.vocab_size:
+            if ecfg.vocab_size != self.model_cfg.vocab_size:
                 experiment.fail(
                     "rollout.external_checkpoint",
-                    f"vocab size {ecfg.vocab_size} != policy's {self.cfg.vocab_size}",
+                    f"vocab size {ecfg.vocab_size} != policy's {self.model_cfg.vocab_size}",
                 )
             # kept in the train layout (FSDP-sharded); gathered only while it samples
             self.external = rollout_lib.PolicySource(ecfg, eparams, -1)
@@ -146,7 +146,7 @@ class Run:
         state = jax.tree.map(as_abstract, self.state, self.state_sh)
         hist_one = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
         tree = {"state": state, "history": [hist_one] * n_history}
-        if self.obj_cfg.beta_kl > 0:
+        if self.objective_cfg.beta_kl > 0:
             tree["ref"] = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
         return tree
 
@@ -166,7 +166,7 @@ class Run:
         )
         state, state_sh = steps.init_state(self.state.params, tx, self.mesh)
         batch_sh = sharding_lib.batch_sharding(self.mesh)
-        step_fn = steps.make_sft_step(self.cfg, tx, state_sh, batch_sh)
+        step_fn = steps.make_sft_step(self.model_cfg, tx, state_sh, batch_sh)
         demos = corrupt_demonstrations(self.train_examples, c.demo_noise, self.config.seed)
         it = sft_batches(demos, self.tokenizer, c.batch_size, c.seq_len, seed=self.config.seed)
         bar = tqdm(
@@ -189,7 +189,7 @@ class Run:
     def evaluate(self, step: int) -> dict:
         e = self.config.eval
         src = rollout_lib.PolicySource(
-            self.cfg, sharding_lib.reshard(self.state.params, self.sample_sh), step
+            self.model_cfg, sharding_lib.reshard(self.state.params, self.sample_sh), step
         )
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 2), step)
         return eval_lib.evaluate(
@@ -212,7 +212,7 @@ class Run:
         tmp = path + ".tmp"
         if jax.process_index() == 0 and os.path.exists(tmp):
             shutil.rmtree(tmp)
-        weights.save_hf(self.cfg, self.state.params, tmp, tokenizer=self.tokenizer)
+        weights.save_hf(self.model_cfg, self.state.params, tmp, tokenizer=self.tokenizer)
         if jax.process_index() == 0:
             if os.path.exists(path):
                 shutil.rmtree(path)
@@ -251,7 +251,7 @@ class Run:
         version, params_b = self.history.behaviour()
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
         rollout, metrics = dynamic_sampling.collect_batch(
-            rollout_lib.PolicySource(self.cfg, params_b, version),
+            rollout_lib.PolicySource(self.model_cfg, params_b, version),
             self.batcher,
             self.tokenizer,
             self.reward_fn,
@@ -262,20 +262,22 @@ class Run:
         t_sample = time.perf_counter() - t0
         n_upd = t.updates_per_batch
         per = rollout.num_sequences // n_upd
-        args = (self.obj_cfg, self.rollout_cfg, params_b, self.history.lag, n_upd, self.external)
-        full = steps.full_kl_inputs(*args, self.state_sh.params)  # None unless kl_estimator full
+        knobs = (self.objective_cfg, self.rollout_cfg, params_b, self.history.lag, n_upd)
+        full = steps.full_kl_inputs(*knobs, self.external, self.state_sh.params)  # kl "full" only
         batch = sharding_lib.shard_batch(steps.rollout_to_batch(rollout, full), self.mesh)
-        score = steps.score_fn(self.cfg, rollout.prompt_len, self.mesh, t.num_microbatches * n_upd)
-        if obj_lib.get_objective(self.obj_cfg.name).needs_prox:  # pi_prox: before any update
+        score = steps.score_fn(
+            self.model_cfg, rollout.prompt_len, self.mesh, t.num_microbatches * n_upd
+        )
+        if obj_lib.get_objective(self.objective_cfg.name).needs_prox:  # pi_prox: before any update
             batch["prox_logp"] = score(self.state.params, batch)
         if self.ref_params is not None:
             batch["ref_logp"] = score(self.ref_params, batch)
         key = (rollout.prompt_len, full and full.key)
         if key not in self._rl_steps:  # one compile per prompt bucket (and full-KL inputs)
             self._rl_steps[key] = steps.make_rl_step(
-                self.cfg,
+                self.model_cfg,
                 self.tx,
-                self.obj_cfg,
+                self.objective_cfg,
                 t.num_microbatches,
                 rollout.prompt_len,
                 self.state_sh,
@@ -334,7 +336,7 @@ class Run:
         )
         if start is None:
             self.sft()
-            if self.obj_cfg.beta_kl > 0:
+            if self.objective_cfg.beta_kl > 0:
                 self.ref_params = jax.tree.map(jnp.copy, self.state.params)
             start = 0
         if not self.history.state():
