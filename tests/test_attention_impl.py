@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model_cfg
 
 from configs import quickstart
 from ess_jax.config import schema as config_checks
@@ -19,17 +20,7 @@ from ess_jax.sampling import sampler
 
 # GQA with 2 query heads per kv head and Qwen2's q/k/v biases: a wrong head grouping or a
 # dropped bias changes the numbers
-CFG = model.ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qkv_bias=True,
-    family="qwen2",
-)
+CFG = tiny_model_cfg(qkv_bias=True, family="qwen2")
 
 
 def _batch(seed):

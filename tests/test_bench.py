@@ -13,6 +13,7 @@ import pytest
 
 from bench import common as bench_common
 from bench import cpu as bench
+from bench import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,3 +119,23 @@ def test_bad_sizes_are_refused_naming_the_field(argv, message):
     thing), or an error that does not say which size is wrong."""
     with pytest.raises(SystemExit, match=message):
         bench.parse_args(argv)
+
+
+def test_a_run_rewrites_only_its_part_of_the_report(tmp_path):
+    """Catches a full run that drops BENCHMARKS.md's hand-written sections (the design
+    decisions and their measurements live only there) or keeps the previous run's tables
+    beside the new ones, and a BENCHMARKS.md whose markers were edited away (the next full
+    run would then replace the whole file)."""
+    path = tmp_path / "B.md"
+    report.write_report(str(path), "tables 1")
+    first = path.read_text()
+    assert report.BEGIN in first and report.END in first and "tables 1" in first
+    path.write_text("intro\n" + first + "\n## Design decisions\nkept\n")
+    report.write_report(str(path), "tables 2\n")
+    text = path.read_text()
+    assert text.startswith("intro\n") and text.endswith("\n## Design decisions\nkept\n")
+    assert "tables 2" in text and "tables 1" not in text
+    with open(os.path.join(ROOT, "BENCHMARKS.md")) as f:
+        ours = f.read()
+    assert ours.count(report.BEGIN) == ours.count(report.END) == 1
+    assert ours.index(report.BEGIN) < ours.index(report.END) < ours.index("## Design decisions")

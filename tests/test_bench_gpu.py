@@ -21,7 +21,6 @@ from bench import gpu_report as bench_gpu_report
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
 @pytest.mark.parametrize("sizes", [bench_gpu.TINY, bench_gpu.QWEN25_1_5B], ids=["tiny", "1.5b"])
 def test_both_sides_build_the_same_architecture(sizes):
     """Catches the ess_jax config and the Hugging Face peer drifting apart (a missing qkv bias,
@@ -158,14 +157,14 @@ def test_sections_name_what_runs_and_reject_unknown_names():
 
 def test_dry_run_lowers_every_program_for_cuda_with_cudnn_where_asked():
     """bench/gpu_lower.py, the no-device check to run before a GPU run: catches a program of
-    bench_gpu left out of the dry run or no longer lowering for CUDA (a sequence length or
+    bench_gpu left out of the dry run or not lowering for CUDA (a sequence length or
     layout jax's cuDNN checks refuse), the cuDNN variants reaching no cuDNN call (or the einsum
     ones reaching it), the stubbed cuDNN version check left in place after the dry run, and a
     miscounted bias gradient (the pinned jax 0.10.2 always computes it; 0.11.2, the GPU
     machine's, not for fused_attention's boolean mask: checked by hand, BENCHMARKS_GPU.md)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
-    from bench import gpu_lower as gpu_lower
+    from bench import gpu_lower
 
     real = fa.check_cudnn_version
     out = gpu_lower.lower_all(bench_gpu.TINY)

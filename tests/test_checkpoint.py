@@ -124,7 +124,8 @@ def test_round_trip_onto_different_mesh(saved, restore_mesh):
 
 
 def test_jit_tx_init_count_trap(saved, tmp_path):
-    """DESIGN.md trap: `jax.jit(tx.init)` leaves optax's `count` (here even mu/nu) on device 0.
+    """ARCHITECTURE.md trap: `jax.jit(tx.init)` leaves optax's `count` (here even mu/nu) on
+    device 0.
 
     Checked: (1) such a state saves; (2) restoring with an abstract state from plain
     `jax.eval_shape(tx.init, ...)` (count has no sharding) puts count *replicated on the
@@ -302,15 +303,15 @@ def test_async_save(tmp_path):
 
 
 def test_late_read_callbacks_after_a_failed_restore_are_silenced_and_nothing_else(monkeypatch):
-    """Catches the CI failure of the one-line checkpoint error: after a failed restore, late
-    tensorstore reads raise "Event loop is closed" through sys.unraisablehook and printed 2-7
-    tracebacks; the abandoned read coroutines, closed with GeneratorExit, printed a page of
-    TensorStore spec each (~300 in one CI log, hiding the test summary). The hook must drop
-    exactly those two echoes, pass every other one on, and install once."""
+    """Catches the one-line checkpoint error buried under late-read echoes: after a failed
+    restore, late tensorstore reads raise "Event loop is closed" through sys.unraisablehook
+    (2-7 tracebacks), and the abandoned read coroutines, closed with GeneratorExit, each print
+    a page of TensorStore spec (hundreds in a CI log, hiding the test summary). The hook must
+    drop exactly those two echoes, pass every other one on, and install once."""
     import sys
     import types
 
-    from ess_jax.io import orbax_quiet as ckpt_noise
+    from ess_jax.io import orbax_quiet
 
     def caused_by(cause, msg="Encountered error while reading array index: (slice(0, 8, 1),)"):
         e = Exception(msg + ". See full TensorStore details: {...}.")
@@ -319,8 +320,8 @@ def test_late_read_callbacks_after_a_failed_restore_are_silenced_and_nothing_els
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
-    ckpt_noise.quiet_late_read_callbacks()
-    ckpt_noise.quiet_late_read_callbacks()  # idempotent: one wrapper, not two
+    orbax_quiet.quiet_late_read_callbacks()
+    orbax_quiet.quiet_late_read_callbacks()  # idempotent: one wrapper, not two
     hook = sys.unraisablehook
     assert hook.ess_jax_quiet
     dropped = [RuntimeError("Event loop is closed"), caused_by(GeneratorExit())]
@@ -336,9 +337,9 @@ def test_late_read_callbacks_after_a_failed_restore_are_silenced_and_nothing_els
 
 
 def test_hosts_make_the_same_agreement_calls_and_only_process_0_deletes(tmp_path, monkeypatch):
-    """Catches the multi-host hang of the pod test: after a save, process 1 had not yet seen the
-    new step commit, so its keep-N deleted nothing while process 0 sat in orbax's delete (a
-    barrier), and process 1 went on to the next collective. Whatever a host sees, it must make
+    """Catches a multi-host hang in keep-N: when, after a save, process 1 does not yet see the
+    new step's commit, its keep-N deletes nothing while process 0 sits in orbax's delete (a
+    barrier), and process 1 goes on to the next collective. Whatever a host sees, it must make
     the same agreement calls as process 0 (same names, same order), and only process 0 may
     delete. Here one process plays each host in turn."""
     from ess_jax.io import checkpoint

@@ -1,4 +1,4 @@
-"""Config checks (issue 9): numeric domains, required fields, typo'd names, one-line CLI errors,
+"""Config checks: numeric domains, required fields, typo'd names, one-line CLI errors,
 declared dependencies. The CLI tests run `python -m ess_jax.main`; a bad config fails there
 before jax is imported and before the workdir exists."""
 
@@ -45,7 +45,8 @@ def tiny(**overrides):
 
 
 def test_negative_learning_rate_is_refused_naming_optim_lr(tmp_path):
-    """Row 1: `--config.optim.lr=-0.5` used to run to completion (the optimizer ascends)."""
+    """Catches a negative learning rate accepted: `--config.optim.lr=-0.5` would run to completion
+    with the optimizer ascending. It must be refused by name, before the workdir exists."""
     with pytest.raises(ConfigError, match=r"^config\.optim\.lr: must be a number > 0, got -0\.5$"):
         experiment.validate(tiny(**{"optim.lr": -0.5}))
     rc, err = cli(tmp_path / "run", "--config.optim.lr=-0.5")
@@ -70,8 +71,9 @@ def test_negative_learning_rate_is_refused_naming_optim_lr(tmp_path):
     ],
 )
 def test_numeric_fields_are_checked_against_their_domain(path, value, domain):
-    """Row 2: a zero batch used to fail deep in the batcher with `batch_size must be >= 1`
-    (field not named), the SFT one only after the workdir was created."""
+    """Catches a numeric field outside its domain passing validation: a zero batch would fail deep
+    in the batcher with `batch_size must be >= 1` (field not named), the SFT one only after the
+    workdir is created. The error must name the field and its domain."""
     with pytest.raises(ConfigError, match=rf"^config\.{re.escape(path)}: must be {domain}, got"):
         experiment.validate(tiny(**{path: value}))
 
@@ -98,7 +100,8 @@ def test_unknown_ess_scope_is_refused_naming_the_field(scope):
 
 
 def test_zero_sft_batch_fails_on_the_command_line_before_the_workdir_exists(tmp_path):
-    """Row 2 from the CLI: the SFT batch used to be checked only once SFT started."""
+    """Catches the SFT batch size checked only once SFT starts (after the workdir is created):
+    the CLI must refuse a zero batch on the command line and write nothing."""
     rc, err = cli(tmp_path / "run", "--config.sft.batch_size=0")
     assert (rc, err) == (2, ["error: config.sft.batch_size: must be an integer >= 1, got 0"])
     rc, err = cli(tmp_path / "run", "--config.data.prompts_per_step=0")
@@ -120,7 +123,8 @@ def test_zero_sft_batch_fails_on_the_command_line_before_the_workdir_exists(tmp_
     ],
 )  # fmt: skip
 def test_typo_in_a_field_name_is_one_line_with_the_closest_name(tmp_path, arg, expected):
-    """Row 3: a typo'd override used to print 55 lines of 3 chained tracebacks."""
+    """Catches a typo'd override reported as pages of chained tracebacks instead of one line
+    naming the closest field."""
     rc, err = cli(tmp_path / "run", arg)
     assert (rc, err) == (2, [f"error: {expected}"])
     assert not (tmp_path / "run").exists()
@@ -196,8 +200,9 @@ def _imports(path):
 
 
 def test_setup_declares_every_runtime_dependency_and_readme_says_what_generate_needs():
-    """Row 8: tools/generate.py failed after the main install (jinja2, which transformers'
-    chat templates import lazily, was not declared; the SmolLM2 package needs its own line)."""
+    """Catches a runtime dependency missing from setup.py (e.g. jinja2, which transformers' chat
+    templates import lazily: tools/generate.py fails after the main install without it) and a
+    README that does not say the SmolLM2 package needs its own install line."""
     tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
     reqs = next(
         ast.literal_eval(n.value)

@@ -140,6 +140,28 @@ def test_paper_arms_parse_and_reject_unknown_names():
         paper.parse("p3o,v5e-16", ("p3o",), fits=("8xh100",))
 
 
+def test_dapo_arms_take_the_overlong_penalty_in_paper_configs_only():
+    """Catches a paper DAPO arm without DAPO's soft overlong penalty, a buffer other than a fifth
+    of the finished config's max_new_tokens (DAPO: 4096 of 20480; `tiny` shrinks the budget
+    after the arm is chosen, and a 4K-sized buffer of 819 would exceed its 16 new tokens), and a
+    configs/mini arm that gains the penalty (the committed results/ were run without it)."""
+    dapo = 0
+    for path in CONFIGS:
+        mod = load_module(path)
+        for arg in config_args(mod):
+            c = mod.get_config(arg)
+            buffer, budget = c.rollout.overlong_buffer, c.rollout.max_new_tokens
+            if c.objective.name == "dapo" and "/paper/" in path:
+                assert buffer == budget // paper.DAPO_OVERLONG_FRACTION and 0 < buffer <= budget
+                dapo += 1
+            else:
+                assert buffer == 0, (path, arg)
+    assert dapo and paper.DAPO_OVERLONG_FRACTION == 5  # 4096 / 20480
+    from configs.paper import e1_clip_sweep
+
+    assert e1_clip_sweep.get_config("dapo").rollout.overlong_buffer == 819  # at 4096 tokens
+
+
 def test_paper_configs_evaluate_on_a_held_out_split():
     """Catches: the in-run eval reading DeepScaleR's training prompts (test_split 'train')."""
     for path in CONFIGS:

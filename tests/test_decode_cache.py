@@ -9,20 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model_cfg
 
 from ess_jax.model import decoder as model
 from ess_jax.model import kv_cache
 from ess_jax.sampling import decode, sampler
 
-CFG = model.ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
+CFG = tiny_model_cfg(num_layers=3)
 B, P, T = 4, 16, 128  # decode_bounds(128) = (32, 64, 128): three segments, two grows
 ONE = jnp.float32(1.0)
 
@@ -46,8 +39,8 @@ def _prefilled(stop_ids=()):
 
 def test_compiled_decode_loops_never_copy_the_cache():
     """Catches a decode step that copies the KV cache: with the cache allocated at its full
-    length and each segment attending over a slice of it, XLA fused the slice with the
-    step's write and copied the whole cache twice per layer and step in every segment but
+    length and each segment attending over a slice of it, XLA fuses the slice with the
+    step's write and copies the whole cache twice per layer and step in every segment but
     the last (planted: 12 copies in each of the first two segments here; 54-61 vs 25-30 ms
     per step on bench/cpu.py's model)."""
     params, s, dec = _prefilled()
@@ -113,10 +106,11 @@ def test_no_growth_once_every_row_has_stopped():
 
 
 def test_keys_are_cached_transposed_and_a_wrong_layout_is_refused():
-    """Catches the key cache going back to [B, N, S, K] (a decode step's score product then
-    reduces along the minor axis: 7-11% slower per step on bench/cpu.py's model,
-    bench_notes), on both the prefilled and the grown cache, and a hand-built cache in the
-    old layout being written into silently (dynamic_update_slice would clamp the index)."""
+    """Catches keys cached as [B, N, S, K] instead of [B, N, K, S] (a decode step's score
+    product then reduces along the minor axis: 7-11% slower per step on bench/cpu.py's model,
+    BENCHMARKS.md), on both the prefilled and the grown cache, and a hand-built cache in the
+    [B, N, S, K] layout being written into silently (dynamic_update_slice would clamp the
+    index)."""
     n, kd = CFG.num_kv_heads, CFG.head_dim
     params, s, dec = _prefilled()
     first = P + dec.bounds[0]

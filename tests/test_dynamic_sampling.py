@@ -15,10 +15,12 @@ import pytest
 from test_memory_knobs import CFG
 from test_train import coin_reward, tiny_config
 
+from ess_jax import rewards
 from ess_jax.config.schema import ConfigError
 from ess_jax.data import PromptBatcher, char_tokenizer
 from ess_jax.model import decoder as model
 from ess_jax.model import scoring
+from ess_jax.parallel import sharding
 from ess_jax.rl import dynamic_sampling, experiment, rollout, train
 from ess_jax.rl.metrics import read_metrics
 
@@ -49,7 +51,7 @@ def run(tmp_path_factory):
     the reward, the cap and the data position, none of which recompiles anything."""
     c = tiny_config(**{"rollout.dynamic_sampling": True, "rollout.max_resample_rounds": 2})
     r = train.Run(c, str(tmp_path_factory.mktemp("ds")))
-    r.history.push(0, train.sharding_lib.reshard(r.state.params, r.sample_sh))
+    r.history.push(0, sharding.reshard(r.state.params, r.sample_sh))
     yield r
     r.close()
 
@@ -158,7 +160,7 @@ def test_cap_on_rounds_masks_what_is_left_with_a_warning(run, monkeypatch, caplo
 
 def test_groups_of_a_narrower_bucket_keep_their_exact_behaviour_logp():
     """Catches: a group from a round with shorter prompts merged without left pads in front
-    (or with pads the attention sees), so its recorded pi_b no longer matches the sequence the
+    (or with pads the attention sees), so its recorded pi_b does not match the sequence the
     trainer scores: the teacher-forced log-probs of the merged batch must equal pi_b."""
     params = model.init_params(CFG, 0)
     rng = np.random.default_rng(0)
@@ -221,7 +223,7 @@ def test_run_killed_while_resampling_resumes_exactly(tmp_path, monkeypatch):
     def reward(text, example):  # half the prompts constant, the others a coin per sample
         return coin_reward(text, example) * (int(example["answer"]) % 2)
 
-    monkeypatch.setattr(train.rewards_lib, "get_reward", lambda name: reward)
+    monkeypatch.setattr(rewards, "get_reward", lambda name: reward)
     c = tiny_config(
         **{
             "rollout.dynamic_sampling": True,

@@ -13,8 +13,8 @@ import pytest
 from test_offpolicy_exact import _start
 from test_train import tiny_config
 
-from ess_jax.model import decoder as model_lib
-from ess_jax.objectives import scopes as accumulate
+from ess_jax.model import decoder as model
+from ess_jax.objectives import scopes as A
 from ess_jax.rl import steps
 
 BETA = 0.05
@@ -23,7 +23,7 @@ BETA = 0.05
 def _mean_entropy(cfg, params, mb):
     """Token-mean entropy of the policy's next-token distribution over the response tokens."""
     mask = mb["mask"] > 0
-    logits = model_lib.apply(cfg, params, mb["tokens"], mb["attn_mask"])
+    logits = model.apply(cfg, params, mb["tokens"], mb["attn_mask"])
     logits = logits[:, mb["tokens"].shape[1] - mask.shape[1] - 1 : -1]
     logq = jax.nn.log_softmax(logits, axis=-1)
     ent = -jnp.sum(jnp.exp(logq) * logq, axis=-1)
@@ -32,7 +32,7 @@ def _mean_entropy(cfg, params, mb):
 
 def test_entropy_bonus_is_the_real_entropy_with_its_gradient(tmp_path, monkeypatch):
     run = _start(tiny_config(**{"objective.beta_ent": BETA}), tmp_path)
-    real_make, real_accumulate, seen = steps.make_rl_step, accumulate.step_loss_and_grad, {}
+    real_make, real_loss_and_grad, seen = steps.make_rl_step, A.step_loss_and_grad, {}
 
     def make_rl_step(*args, **kwargs):
         step_fn = real_make(*args, **kwargs)
@@ -47,15 +47,15 @@ def test_entropy_bonus_is_the_real_entropy_with_its_gradient(tmp_path, monkeypat
 
     def step_loss_and_grad(logp_fn, *args, **kwargs):
         seen["logp_fn"] = logp_fn  # the trainer's log-prob function (captured while tracing)
-        return real_accumulate(logp_fn, *args, **kwargs)
+        return real_loss_and_grad(logp_fn, *args, **kwargs)
 
     monkeypatch.setattr(steps, "make_rl_step", make_rl_step)
-    monkeypatch.setattr(accumulate, "step_loss_and_grad", step_loss_and_grad)
+    monkeypatch.setattr(A, "step_loss_and_grad", step_loss_and_grad)
     run.rl_step(0)
     params, mb, m = seen["params"], seen["mb"], seen["metrics"]
     mb = {k: jnp.asarray(v) for k, v in mb.items()}
     entropy, d_entropy = jax.jit(jax.value_and_grad(_mean_entropy, argnums=1), static_argnums=0)(
-        run.cfg, params, mb
+        run.model_cfg, params, mb
     )
 
     # On-policy float32 sampler: rho = 1, ESS = 1, so P3O's KL term is 0 and
@@ -66,7 +66,7 @@ def test_entropy_bonus_is_the_real_entropy_with_its_gradient(tmp_path, monkeypat
     # With zero advantages the step's gradient is the bonus's: -beta_ent d(mean entropy)/dparams.
     no_adv = {**mb, "advantages": jnp.zeros_like(mb["advantages"])}
     loss_grad = jax.jit(
-        lambda p: accumulate.step_loss_and_grad(seen["logp_fn"], p, no_adv, run.obj_cfg)[1]
+        lambda p: A.step_loss_and_grad(seen["logp_fn"], p, no_adv, run.objective_cfg)[1]
     )
     got, want = (
         np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])

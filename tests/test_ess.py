@@ -1,4 +1,4 @@
-"""The normalised effective sample size (PAPER.md): properties, partial sums, and its scope
+"""The normalised effective sample size (docs/method.md): properties, partial sums, and its scope
 ("step" must make loss and gradients independent of micro-batching and device count)."""
 
 import functools
@@ -159,7 +159,7 @@ def _policy_batch(seed=0):
 
 
 @functools.cache
-def _step(cfg, m, seed=0, devices=1):
+def _step(objective_cfg, m, seed=0, devices=1):
     """Loss, grads and metrics of one jitted step (cached: several tests share results)."""
     params, batch = _policy_batch(seed)
     if devices > 1:
@@ -167,7 +167,7 @@ def _step(cfg, m, seed=0, devices=1):
         batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
         assert len(batch["mask"].sharding.device_set) == devices
         params = jax.device_put(params, NamedSharding(mesh, P()))
-    fn = jax.jit(lambda p, b: A.step_loss_and_grad(_logp_fn, p, b, cfg, m))
+    fn = jax.jit(lambda p, b: A.step_loss_and_grad(_logp_fn, p, b, objective_cfg, m))
     loss, grads, metrics = fn(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
 
@@ -184,7 +184,7 @@ def _assert_close(a, b, tol=1e-6):
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    "objective_cfg",
     [
         O.ObjectiveConfig(name="p3o"),
         O.ObjectiveConfig(name="p3o_dual"),
@@ -194,13 +194,13 @@ def _assert_close(a, b, tol=1e-6):
         O.ObjectiveConfig(name="grpo"),
         O.ObjectiveConfig(name="decoupled_ppo"),
     ],
-    ids=lambda cfg: cfg.name,
+    ids=lambda objective_cfg: objective_cfg.name,
 )
-def test_step_scope_is_invariant_to_microbatching(cfg):
-    whole = _step(cfg, 1)
+def test_step_scope_is_invariant_to_microbatching(objective_cfg):
+    whole = _step(objective_cfg, 1)
     assert 0.05 < whole[2]["ess"] < 0.95  # the cap and the KL term are both active
     for m in (2, 4):
-        _assert_close(_step(cfg, m), whole)
+        _assert_close(_step(objective_cfg, m), whole)
 
 
 def _logp_entropy_fn(params, mb):
@@ -215,9 +215,10 @@ def test_step_scope_with_extras_is_invariant_to_microbatching():
     cotangent of a log-prob function's extras (here the entropy, under an entropy bonus) lost
     on that path, which drops that micro-batch's entropy gradient."""
     params, batch = _policy_batch(0)
-    cfg = O.ObjectiveConfig(name="p3o", beta_ent=0.5)
+    objective_cfg = O.ObjectiveConfig(name="p3o", beta_ent=0.5)
     fn = jax.jit(
-        lambda p, m: A.step_loss_and_grad(_logp_entropy_fn, p, batch, cfg, m), static_argnums=1
+        lambda p, m: A.step_loss_and_grad(_logp_entropy_fn, p, batch, objective_cfg, m),
+        static_argnums=1,
     )
     whole = fn(params, 1)
     for m in (2, 4):
@@ -235,8 +236,8 @@ def test_step_scope_with_extras_is_invariant_to_microbatching():
 def test_forward_count_of_a_step(name, m):
     """Counts the micro-batch forwards one jitted step runs. Catches the no-grad statistics pass
     (M - 1 extra micro-batch forwards, ~+24% of an update at 4 micro-batches on bench/cpu.py's
-    model) run for objectives that only report the ESS (GRPO and the other baselines paid it
-    before, which also hid the ESS objective's real overhead in the bench), skipped for P3O,
+    model) run for objectives that only report the ESS (GRPO and the other baselines would pay
+    it, which also hides the ESS objective's real overhead in the bench), skipped for P3O,
     whose loss needs the step's ESS first, or run without reusing the last micro-batch's
     forward for its gradient from M = 3 on (2M forwards instead of 2M - 1); at M = 2 the
     reuse is off (see test_statistics_pass_memory_is_one_microbatch), 2M."""
@@ -247,8 +248,8 @@ def test_forward_count_of_a_step(name, m):
         jax.debug.callback(lambda: forwards.append(1))
         return _logp_fn(p, mb)
 
-    cfg = O.ObjectiveConfig(name=name)
-    out = jax.jit(lambda p: A.step_loss_and_grad(counting, p, batch, cfg, m))(params)
+    objective_cfg = O.ObjectiveConfig(name=name)
+    out = jax.jit(lambda p: A.step_loss_and_grad(counting, p, batch, objective_cfg, m))(params)
     jax.block_until_ready(out)
     if name not in {n for n, o in O.OBJECTIVES.items() if o.ess_in_loss}:
         assert len(forwards) == m
@@ -261,12 +262,12 @@ def test_statistics_pass_memory_is_one_microbatch(m):
     """Catches a statistics pass that holds more than one micro-batch's activations: P3O's
     compiled temp memory must stay within 10% of GRPO's (no pass) on a model whose activations
     dominate. At M = 2 reusing the last micro-batch's forward leaves one-step scans, which XLA
-    inlines, and the straight-line program held both micro-batches' activations (1.98x GRPO's
-    here; planted back, this fails)."""
-    from ess_jax.model import decoder as model_lib
+    inlines, and the straight-line program holds both micro-batches' activations (planted:
+    the reuse on at M = 2 gives 1.98x GRPO's here, fails)."""
+    from ess_jax.model import decoder as model
     from ess_jax.rl import steps
 
-    cfg = model_lib.ModelConfig(
+    model_cfg = model.ModelConfig(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=512,
@@ -278,7 +279,7 @@ def test_statistics_pass_memory_is_one_microbatch(m):
     )
     prompt, resp, rows = 16, 112, 16
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), model_lib.abstract_params(cfg)
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), model.abstract_params(model_cfg)
     )
     spec = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt)
     batch = {
@@ -288,11 +289,11 @@ def test_statistics_pass_memory_is_one_microbatch(m):
         "behaviour_logp": spec((rows, resp)),
         "advantages": spec((rows, resp)),
     }
-    logp_fn = steps.logp_fn_for(cfg, prompt)
+    logp_fn = steps.logp_fn_for(model_cfg, prompt)
 
     def temp(name):
-        ocfg = O.ObjectiveConfig(name=name)
-        step = jax.jit(lambda p, b: A.step_loss_and_grad(logp_fn, p, b, ocfg, m))
+        objective_cfg = O.ObjectiveConfig(name=name)
+        step = jax.jit(lambda p, b: A.step_loss_and_grad(logp_fn, p, b, objective_cfg, m))
         return step.lower(abstract, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temp("p3o") <= 1.1 * temp("grpo")
@@ -304,11 +305,11 @@ def test_objectives_outside_ess_in_loss_do_not_read_the_ess(name):
     with ess_scope "step" it would silently get each micro-batch's own ESS. Its loss and
     gradient must not move when the supplied statistics do."""
     params, batch = _policy_batch(0)
-    cfg = O.ObjectiveConfig(name=name)
+    objective_cfg = O.ObjectiveConfig(name=name)
 
     def loss(p, ess):
         stats = {"ess": ess, "ess_prox": ess}
-        return O.get_objective(name).loss(_logp_fn(p, batch), {**batch, **stats}, cfg)[0]
+        return O.get_objective(name).loss(_logp_fn(p, batch), {**batch, **stats}, objective_cfg)[0]
 
     lo, hi = (jax.value_and_grad(loss)(params, e) for e in (0.2, 0.9))
     assert float(lo[0]) == float(hi[0])
@@ -317,9 +318,9 @@ def test_objectives_outside_ess_in_loss_do_not_read_the_ess(name):
 
 
 def test_step_scope_is_invariant_to_devices():
-    cfg = O.ObjectiveConfig(name="p3o")
+    objective_cfg = O.ObjectiveConfig(name="p3o")
     for m in (1, 4):
-        _assert_close(_step(cfg, m, devices=8), _step(cfg, 1))
+        _assert_close(_step(objective_cfg, m, devices=8), _step(objective_cfg, 1))
 
 
 @pytest.mark.parametrize("scope", ["microbatch", "microbatch_local"])

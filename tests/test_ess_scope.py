@@ -78,9 +78,11 @@ def _k3(logp, other):
     return k3, 1 - np.where(inside, np.exp(expo), 0.0)
 
 
-def _reference(name, scope, params, batch):
+def _reference(name, scope, params, batch, order=None):
     """float64 loss, grads {w, b} and metrics of one step in `scope` ("microbatch": the reference
-    code's default; "microbatch_local": per-micro-batch token means averaged)."""
+    code's default; "microbatch_local": per-micro-batch token means averaged). Micro-batch k
+    holds rows order[k::M] (`order`: the row shuffle; default none, the strided split)."""
+    order = np.arange(B) if order is None else np.asarray(order)
     params = {k: v.astype(np.float64) for k, v in params.items()}
     f = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in batch.items()}
     mask = f["mask"]
@@ -94,7 +96,7 @@ def _reference(name, scope, params, batch):
     per_token = {k: np.zeros((B, T)) for k in ("loss", "pg", "capped")}
     weight = np.zeros((B, T))  # each token's loss weight: 1 / its normaliser
     for k in range(M):
-        rows = np.arange(k, B, M)
+        rows = order[k::M]
         m = mask[rows]
         e_b, e_p = _ess(lr[rows], m), _ess((logp - prox)[rows], m)
         r, lp, a = rho[rows], logp[rows], adv[rows]
@@ -131,21 +133,23 @@ def _reference(name, scope, params, batch):
         "clip_frac": np.sum(weight * ((rho > 1.2) | (rho < 0.8))),
         "kl_behaviour": np.sum(weight * kl_b),
         "entropy_proxy": -np.sum(weight * logp),
+        "nonfinite_frac": 0.0,  # every log-prob here is finite
     }
     metrics.update({k: np.mean(v) for k, v in ess.items() if v})  # the logged mean over M
     return loss, grads, metrics
 
 
 @functools.cache
-def _jax_step(name, scope):
+def _jax_step(name, scope, shuffle_seed=None):
     params, batch = _problem()
     mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     assert len(batch["mask"].sharding.device_set) == DEVICES
     params = jax.device_put(params, NamedSharding(mesh, P()))
     cfg = O.ObjectiveConfig(name=name, ess_scope=scope)
-    fn = jax.jit(lambda p, b: A.step_loss_and_grad(_logp_fn, p, b, cfg, M))
-    loss, grads, metrics = fn(params, batch)
+    key = None if shuffle_seed is None else jax.random.key(shuffle_seed)
+    fn = jax.jit(lambda p, b, k: A.step_loss_and_grad(_logp_fn, p, b, cfg, M, k, DEVICES))
+    loss, grads, metrics = fn(params, batch, key)
     return float(loss), jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
 
 
@@ -165,11 +169,12 @@ def test_problem_has_unequal_microbatches():
 @pytest.mark.parametrize("scope", ["microbatch", "microbatch_local"])
 @pytest.mark.parametrize("name", ["p3o", "p3o_dual"])
 def test_microbatch_scopes_match_float64_reference(name, scope):
-    """In scope "microbatch" (the reference code's default): a micro-batch's loss divided by its
-    own token count instead of the step's, an ESS over the whole step (or per device) instead of
-    per micro-batch, or an ESS metric that is not the mean over micro-batches. In
-    "microbatch_local": the old behaviour lost or changed under its new name. Checks the loss,
-    the gradients and every metric."""
+    """Catches, in scope "microbatch" (the reference code's default): a micro-batch's loss
+    divided by its own token count instead of the step's, an ESS over the whole step (or per
+    device) instead of per micro-batch, or an ESS metric that is not the mean over
+    micro-batches. In "microbatch_local": a denominator other than the micro-batch's own token
+    count, or micro-batch means not averaged. Checks the loss, the gradients and every
+    metric."""
     params, batch = _problem()
     loss, grads, metrics = _jax_step(name, scope)
     ref_loss, ref_grads, ref_metrics = _reference(name, scope, params, batch)
@@ -184,11 +189,33 @@ def test_microbatch_scopes_match_float64_reference(name, scope):
 
 @pytest.mark.parametrize("name", ["p3o", "p3o_dual"])
 def test_local_denominator_differs_from_the_reference_scope(name):
-    """A reference scope ("microbatch") that silently divides by the micro-batch's own token
-    count (the old meaning of the name) would give the "microbatch_local" numbers here."""
+    """Catches a reference scope ("microbatch") that silently divides by the micro-batch's own
+    token count: it would give the "microbatch_local" numbers here, which must differ."""
     ref, local = _jax_step(name, "microbatch"), _jax_step(name, "microbatch_local")
     assert abs(ref[0] - local[0]) > 0.05 * abs(ref[0])
     for key in ("w", "b"):
         diff = np.abs(ref[1][key] - local[1][key]).max()
         assert diff > 0.05 * np.abs(ref[1][key]).max(), key
     assert ref[2]["ess"] == pytest.approx(local[2]["ess"], rel=1e-6)  # same per-micro-batch ESS
+
+
+@pytest.mark.parametrize("scope", ["microbatch", "microbatch_local"])
+@pytest.mark.parametrize("name", ["p3o", "p3o_dual"])
+def test_shuffled_microbatches_match_float64_reference(name, scope):
+    """The micro-batch scopes shuffle rows within each device's block before the strided split
+    (scopes.shuffle_rows). Catches a shuffle applied to some arrays of the batch and not others
+    (a row's log-probs paired with another row's advantages or mask), or micro-batches that are
+    not the permuted rows the reference takes; the 8-device mesh checks it under sharding. The
+    unshuffled numbers must differ (else the test could not see a lost shuffle)."""
+    params, batch = _problem()
+    perm = np.asarray(A.row_permutation(jax.random.key(7), B, DEVICES))
+    loss, grads, metrics = _jax_step(name, scope, 7)
+    ref_loss, ref_grads, ref_metrics = _reference(name, scope, params, batch, perm)
+    assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    for key in ("w", "b"):
+        scale = np.abs(ref_grads[key]).max()
+        np.testing.assert_allclose(grads[key], ref_grads[key], rtol=0, atol=1e-5 * scale)
+    assert metrics.keys() == ref_metrics.keys()
+    for key, value in ref_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert abs(_jax_step(name, scope)[0] - loss) > 1e-3 * abs(loss)

@@ -9,8 +9,7 @@ import ml_collections
 import pytest
 from test_train import tiny_config
 
-from ess_jax.rl import experiment, rollout
-from ess_jax.rl import heldout as eval_lib
+from ess_jax.rl import experiment, heldout, rollout
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def test_every_example_scored_k_times(policy_and_examples, num_examples, batch_s
             "max_new_tokens": 3,
         }
     )
-    out = eval_lib.evaluate(
+    out = heldout.evaluate(
         policy, examples, tokenizer, reward, ecfg, stop_ids=(), rng=jax.random.key(0)
     )
     want = [ex["prompt"] for ex in examples[:num_examples] for _ in range(k)]

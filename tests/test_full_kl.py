@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model_cfg
 from test_offpolicy_exact import _start
 from test_sampler import _np_kept
 from test_train import tiny_config
@@ -23,18 +24,15 @@ from test_train import tiny_config
 from ess_jax import objectives as O
 from ess_jax.config import schema as config_checks
 from ess_jax.io import weights
-from ess_jax.model import decoder as model_lib
-from ess_jax.rl import experiment, steps, train
+from ess_jax.model import decoder as model
+from ess_jax.rl import experiment, rollout, steps, train
 from ess_jax.sampling import rescore
 
-CFG = model_lib.ModelConfig(
-    vocab_size=13, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, pad_token_id=0,
-)  # fmt: skip
+CFG = tiny_model_cfg(vocab_size=13, pad_token_id=0)
 # the external model: another architecture over the same vocabulary
 EXT_CFG = CFG.replace(hidden_size=24, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=12)
 P, T = 3, 7  # prompt and response length; T = 7 is no multiple of the chunk 3 (padding)
-_apply = jax.jit(model_lib.apply, static_argnums=0)
+_apply = jax.jit(model.apply, static_argnums=0)
 
 
 def _batch(seed=0):
@@ -58,7 +56,7 @@ def _params(cfg, seed):
             return (1.0 + 0.1 * rng.normal(size=x.shape)).astype(np.float32)
         return (rng.normal(size=x.shape) / np.sqrt(x.shape[0])).astype(np.float32)
 
-    return jax.tree.map(leaf, model_lib.abstract_params(cfg))
+    return jax.tree.map(leaf, model.abstract_params(cfg))
 
 
 def _np_response_logits(cfg, params, batch):
@@ -199,7 +197,7 @@ def test_gradient_flows_through_pi_only_and_matches_float64(models, by_chunk):
     cot[:, P - 1 : -1] = np.where(valid, d_logits, 0.0)
     pull_back = jax.jit(
         lambda p, ct: jax.vjp(
-            lambda q: model_lib.apply(CFG, q, batch["tokens"], batch["attn_mask"]), p
+            lambda q: model.apply(CFG, q, batch["tokens"], batch["attn_mask"]), p
         )[1](ct)[0]
     )
     got, want = _flat(grad), _flat(pull_back(params, jnp.asarray(cot)))
@@ -290,7 +288,7 @@ def test_loop_rescores_the_params_the_sampler_held(tmp_path, monkeypatch):
     start-of-batch copy or the lagged version, external rows re-scored by the policy, and a
     crash on the donated history buffers."""
     cfg, _, _ = train.experiment.load_policy(tiny_config().model)
-    external = jax.device_get(model_lib.init_params(cfg, 123))
+    external = jax.device_get(model.init_params(cfg, 123))
     weights.save_hf(cfg, external, str(tmp_path / "external"))
     config = tiny_config(
         **{
@@ -309,7 +307,7 @@ def test_loop_rescores_the_params_the_sampler_held(tmp_path, monkeypatch):
     rows = [run.rl_step(0)]
     monkeypatch.setattr(run.config.train, "updates_per_batch", 2)
     rows.append(run.rl_step(1))
-    lagged = train.rollout_lib.ParamHistory(1)
+    lagged = rollout.ParamHistory(1)
     version1 = jax.device_put(updates[1][0], run.state_sh.params)
     lagged.restore([(1, version1), (2, run.state.params)])
     monkeypatch.setattr(run, "history", lagged)
@@ -371,7 +369,8 @@ def test_config_accepts_the_supported_sources_and_keeps_ref_kl_sampled():
     without the re-score rather than falling back to a sampled estimate."""
     supported = {"rollout.temperature": 0.7, "rollout.top_k": 5, "rollout.top_p": 0.9}
     config_checks.check(_full(**supported, **{"rollout.lag": 2}))
-    config_checks.check(_full(**{"rollout.external_fraction": 0.5}))
+    external = {"rollout.external_fraction": 0.5, "rollout.external_checkpoint": "ext/hf"}
+    config_checks.check(_full(**external))  # schema only: the path is validate's to find
     with pytest.raises(ValueError, match="ref_kl_estimator='full'"):
         O.ObjectiveConfig(ref_kl_estimator="full")
     batch = {k: np.zeros((1, 2), np.float32) for k in ("behaviour_logp", "advantages")}

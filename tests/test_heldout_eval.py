@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import tiny_model_cfg
 
 from ess_jax.data.datasets.records import RecordError
 from ess_jax.rewards import get_reward
@@ -81,19 +82,25 @@ def test_pass_table_equals_enumerating_every_subset():
 
 
 def test_tool_evaluates_an_exported_checkpoint(tmp_path, capsys):
-    """Catches: the tool not loading a run's hf/ export, losing a benchmark or a token budget in
-    the table, or mixing samples of different problems into one problem's pass@j (with greedy
-    decoding every sample of a problem is the same, so pass@j must equal pass@1)."""
+    """Catches: the tool not loading a run's hf/ export (a workdir's own config.json, the
+    experiment config, taken for a model's), losing a benchmark or a token budget in the table,
+    or mixing samples of different problems into one problem's pass@j (with greedy decoding
+    every sample of a problem is the same, so pass@j must equal pass@1)."""
+    from configs import quickstart
     from ess_jax.data import char_tokenizer
     from ess_jax.io import weights
     from ess_jax.model import decoder as model
 
     tok = char_tokenizer()
-    cfg = model.ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)  # fmt: skip
-    weights.save_hf(cfg, model.init_params(cfg, 0), str(tmp_path / "run" / "hf"), tokenizer=tok)
+    model_cfg = tiny_model_cfg(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    hf_dir = str(tmp_path / "run" / "hf")
+    weights.save_hf(model_cfg, model.init_params(model_cfg, 0), hf_dir, tokenizer=tok)
+    (tmp_path / "run" / "config.json").write_text(json.dumps(quickstart.get_config().to_dict()))
     problems = [{"problem": f"what is {i} plus {i}?", "answer": str(2 * i)} for i in range(3)]
     for name in ("aime24", "amc23"):
         _jsonl(tmp_path / name / "test.jsonl", problems)

@@ -29,12 +29,12 @@ from test_sampler import _np_kept
 from test_train import tiny_config
 
 from ess_jax.io import weights
-from ess_jax.model import decoder as model_lib
+from ess_jax.model import decoder as model
 from ess_jax.model import kv_cache
 from ess_jax.rl import train
 
-_apply = jax.jit(model_lib.apply, static_argnums=0)
-_forward = jax.jit(model_lib.forward, static_argnums=0)
+_apply = jax.jit(model.apply, static_argnums=0)
+_forward = jax.jit(model.forward, static_argnums=0)
 _FP8_INPUT_AXES = {
     "q": (0,),
     "k": (0,),
@@ -76,10 +76,10 @@ def _decode_logits(cfg, params, tokens, attn_mask, prompt_len, resp_len):
     pad = ((0, 0), (bucket - prompt_len, 0))
     prompt, pmask = np.pad(tokens[:, :prompt_len], pad), np.pad(attn_mask[:, :prompt_len], pad)
     kv_mask = np.concatenate([pmask, np.ones((b, resp_len), bool)], 1)
-    pos = np.asarray(model_lib.positions_from_mask(pmask))[:, -1] + 1
+    pos = np.asarray(model.positions_from_mask(pmask))[:, -1] + 1
     cache = kv_cache.init_cache(cfg, b, bucket + resp_len)
     logits, cache = _forward(
-        cfg, params, prompt, model_lib.positions_from_mask(pmask), kv_mask, cache, 0
+        cfg, params, prompt, model.positions_from_mask(pmask), kv_mask, cache, 0
     )
     out = [np.asarray(logits[:, -1], np.float64)]
     for t in range(resp_len - 1):
@@ -116,7 +116,7 @@ def knob_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("knobs")
     config = tiny_config()
     cfg, _, _ = train.experiment.load_policy(config.model)
-    external = jax.device_get(model_lib.init_params(cfg, 123))
+    external = jax.device_get(model.init_params(cfg, 123))
     weights.save_hf(cfg, external, str(base / "external"))
     config = tiny_config(
         **{
@@ -174,13 +174,13 @@ def test_recorded_log_ratio_equals_teacher_forced_behaviour(knob_run, monkeypatc
     assert (versions[:, :n_ext] == -1).all() and (versions[:, n_ext:] == step).all()
     ext_rows = r.policy_version == -1
 
-    scaled = np.zeros(resp_tokens.shape + (run.cfg.vocab_size,))
+    scaled = np.zeros(resp_tokens.shape + (run.model_cfg.vocab_size,))
     for rows, params_b, precision in (
         (~ext_rows, params, knobs.get("precision", "float32")),
         (ext_rows, knob_run["external"], knobs.get("external_precision", "float32")),
     ):
         if rows.any():
-            logits = _behaviour_logits(run.cfg, params_b, precision, r)
+            logits = _behaviour_logits(run.model_cfg, params_b, precision, r)
             scaled[rows] = logits[rows] / knobs.get("temperature", 1.0)
     keep, margin = _np_kept(scaled, knobs.get("top_k", 0), knobs.get("top_p", 1.0))
     top = scaled.max(-1, keepdims=True)
@@ -190,7 +190,7 @@ def test_recorded_log_ratio_equals_teacher_forced_behaviour(knob_run, monkeypatc
     assert ok.sum() >= 0.9 * mask.sum() > 0
 
     # the log-ratio the objective sees, exp(logp - blogp): trainer float32 at T=1, policy params
-    logits = _behaviour_logits(run.cfg, params, "float32", r)
+    logits = _behaviour_logits(run.model_cfg, params, "float32", r)
     top = logits.max(-1, keepdims=True)
     log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
     logp = np.take_along_axis(logits, resp_tokens[..., None], -1)[..., 0] - log_z

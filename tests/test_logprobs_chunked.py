@@ -5,19 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_model_cfg
 
 from ess_jax.model import decoder as model
 from ess_jax.model import scoring
 
-CFG = model.ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-)
+CFG = tiny_model_cfg()
 
 
 @pytest.mark.parametrize("chunk,remat", [(3, False), (5, True), (16, False), (0, True)])

@@ -10,6 +10,7 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from conftest import tiny_model_cfg
 
 from ess_jax.data import char_tokenizer
 from ess_jax.model import decoder as model
@@ -17,10 +18,7 @@ from ess_jax.model import scoring
 from ess_jax.parallel import sharding
 from ess_jax.rl import rollout, steps
 
-CFG = model.ModelConfig(
-    vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, pad_token_id=0, eos_token_id=2,
-)  # fmt: skip
+CFG = tiny_model_cfg(vocab_size=48, pad_token_id=0, eos_token_id=2)
 
 
 def _rcfg(calls):

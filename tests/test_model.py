@@ -332,9 +332,9 @@ def test_attention_causal_blocks_in_float64(t, offset, chunk):
 
 def test_bind_inside_a_context_mesh_on_a_config_never_bound_before():
     """Catches model.bind failing inside a jitted step's context mesh (sharding.under_mesh) when
-    its config was never bound outside one: NNX read the params' logical axis names ('vocab',
-    'embed') as mesh axes. The full-KL re-score binds pi_b's float32 config inside the train
-    step; it only worked when the sampler had bound that config first."""
+    its config has never been bound outside one: NNX then reads the params' logical axis names
+    ('vocab', 'embed') as mesh axes. The full-KL re-score binds pi_b's float32 config inside
+    the train step, which would then work only if the sampler had bound that config first."""
     cfg = model.ModelConfig(vocab_size=263, hidden_size=24, num_heads=2, num_kv_heads=1,
                             head_dim=12, intermediate_size=40)  # fmt: skip
     mesh = sharding.make_mesh({"fsdp": 2}, jax.devices()[:2])
@@ -343,6 +343,6 @@ def test_bind_inside_a_context_mesh_on_a_config_never_bound_before():
 
     fresh = cfg.replace(rms_norm_eps=1.5e-6)  # a config no test has bound yet
     inside = jax.jit(sharding.under_mesh(lambda p, x: model.apply(fresh, p, x), mesh))
-    got = inside(params, tokens)  # raised "Resource axis: vocab ... not found in mesh"
+    got = inside(params, tokens)  # the bug: "Resource axis: vocab ... not found in mesh"
     want = model.apply(fresh, params, tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

@@ -20,7 +20,8 @@ from test_train import coin_reward, tiny_config
 
 from ess_jax import objectives as O
 from ess_jax.model import scoring
-from ess_jax.rl import steps, train
+from ess_jax.parallel import sharding
+from ess_jax.rl import rollout, steps, train
 
 _tf_logp = jax.jit(scoring.token_logprobs, static_argnums=0)
 
@@ -60,7 +61,7 @@ def _np_k3(logp, other):
 
 
 def _np_dual(logp, batch, version):
-    """Float64 p3o_dual loss, gradient in logp, capped fraction, e_b and e_prox (PAPER.md)."""
+    """Float64 p3o_dual loss, gradient in logp, capped fraction, e_b and e_prox (docs/method.md)."""
     f64 = lambda x: np.asarray(x, np.float64)
     logp, blogp, prox, adv = map(
         f64, (logp, batch["behaviour_logp"], batch["prox_logp"], batch["advantages"])
@@ -120,20 +121,20 @@ def test_dual_cap_uses_min_of_both_ess_vs_float64(version):
 def _start(config, workdir):
     run = train.Run(config, str(workdir))
     run.reward_fn = coin_reward
-    run.history.push(0, train.sharding_lib.reshard(run.state.params, run.sample_sh))
+    run.history.push(0, sharding.reshard(run.state.params, run.sample_sh))
     return run
 
 
 def _record_rollouts(monkeypatch):
     """Every Rollout the loop collects, as numpy, in order."""
-    real, rollouts = train.rollout_lib.collect, []
+    real, rollouts = rollout.collect, []
 
     def collect(*args, **kwargs):
-        rollout, metrics = real(*args, **kwargs)
-        rollouts.append(jax.device_get(rollout))
-        return rollout, metrics
+        out, metrics = real(*args, **kwargs)
+        rollouts.append(jax.device_get(out))
+        return out, metrics
 
-    monkeypatch.setattr(train.rollout_lib, "collect", collect)
+    monkeypatch.setattr(rollout, "collect", collect)
     return rollouts
 
 
@@ -151,7 +152,8 @@ def test_lag_k_samples_come_from_the_params_after_update_s_minus_k(tmp_path, mon
         mask = r.loss_mask > 0
         resp = r.behaviour_logp.shape[1]
         tf = {
-            v: _response_logp(run.cfg, saved[v], r.tokens, r.attn_mask, resp) for v in range(s + 1)
+            v: _response_logp(run.model_cfg, saved[v], r.tokens, r.attn_mask, resp)
+            for v in range(s + 1)
         }
         want = max(0, s - k)
         err = {v: np.abs(tf[v] - r.behaviour_logp)[mask].max() for v in tf}
@@ -197,8 +199,8 @@ def test_prox_snapshot_is_start_of_batch_for_all_updates(tmp_path, monkeypatch, 
         start = updates[i - u][0]  # the params when this rollout batch's first update began
         mask = mb["mask"] > 0
         resp = mask.shape[1]
-        tf_start = _response_logp(run.cfg, start, mb["tokens"], mb["attn_mask"], resp)
-        tf_now = _response_logp(run.cfg, before, mb["tokens"], mb["attn_mask"], resp)
+        tf_start = _response_logp(run.model_cfg, start, mb["tokens"], mb["attn_mask"], resp)
+        tf_now = _response_logp(run.model_cfg, before, mb["tokens"], mb["attn_mask"], resp)
         assert np.abs(mb["prox_logp"] - tf_start)[mask].max() <= 1e-5, (i, u)
         assert float(metrics["ess_prox"]) == pytest.approx(
             _np_ess(tf_now - tf_start, mask), rel=1e-5

@@ -52,7 +52,7 @@ def _train_case(case):
     import jax
     import jax.numpy as jnp
 
-    from ess_jax import objectives
+    from ess_jax import objectives as O
     from ess_jax.memory import planner as memory
     from ess_jax.model import decoder as model
     from ess_jax.parallel import sharding
@@ -60,12 +60,12 @@ def _train_case(case):
     from ess_jax.rl.optim import make_optimizer
     from ess_jax.sampling import rescore
 
-    cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
+    model_cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
     mesh = sharding.make_mesh({"fsdp": case["devices"]}, jax.devices()[: case["devices"]])
     tx = make_optimizer(OPTIM)
     with_sh = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     params = jax.tree.map(
-        with_sh, model.abstract_params(cfg), model.param_shardings(cfg, mesh, "train")
+        with_sh, model.abstract_params(model_cfg), model.param_shardings(model_cfg, mesh, "train")
     )
     state, state_sh = _abstract_state(params, tx)
     b, p, t = case["rows"], case["prompt"], case["prompt"] + case["response"]
@@ -77,19 +77,19 @@ def _train_case(case):
         for k, dt in batch.items()
     }
     full = case.get("full", False)
-    obj = objectives.ObjectiveConfig(kl_estimator="full" if full else "k3")
+    objective_cfg = O.ObjectiveConfig(kl_estimator="full" if full else "k3")
     args, fk = (state, batch), None
     if full:  # re-scored with other (e.g. lagged) params: the step's third argument
-        psh = model.param_shardings(cfg, mesh, "train")
+        psh = model.param_shardings(model_cfg, mesh, "train")
         fk = steps.FullKL(rescore.Behaviour(), {"policy": params}, {"policy": psh})
         args = (state, batch, {"policy": params})
-    step = steps.make_rl_step(cfg, tx, obj, 1, p, state_sh, bsh, full=fk)
+    step = steps.make_rl_step(model_cfg, tx, objective_cfg, 1, p, state_sh, bsh, full=fk)
     xla = _xla_total(step.lower(*args).compile())
     amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": case["devices"]}, case["devices"]))
-    terms = memory.train_terms(cfg, amesh, b, t, int(full), scored_len=case["response"])
+    terms = memory.train_terms(model_cfg, amesh, b, t, int(full), scored_len=case["response"])
     resident = (
-        (1 + full) * memory.param_bytes(cfg, amesh, "train")  # + the behaviour params
-        + memory.optimizer_bytes(cfg, amesh, OPTIM)
+        (1 + full) * memory.param_bytes(model_cfg, amesh, "train")  # + the behaviour params
+        + memory.optimizer_bytes(model_cfg, amesh, OPTIM)
         + memory.tree_bytes(list(batch.values()), [bsh] * len(batch))
     )
     return {
@@ -125,26 +125,24 @@ def _sample_case(case):
     from ess_jax.model import decoder as model
     from ess_jax.model import kv_cache
     from ess_jax.parallel import sharding
-    from ess_jax.sampling import decode as decode_lib
-    from ess_jax.sampling import precision as precision_lib
-    from ess_jax.sampling import sampler
+    from ess_jax.sampling import decode, precision, sampler
 
-    n_dev, precision = case["devices"], case["precision"]
-    cfg = model.ModelConfig(**MODEL, logits_chunk=case["chunk"])
-    scfg = cfg.replace(dtype="float32" if precision == "float32" else "bfloat16")
+    n_dev, sampler_precision = case["devices"], case["precision"]
+    model_cfg = model.ModelConfig(**MODEL, logits_chunk=case["chunk"])
+    scfg = model_cfg.replace(dtype="float32" if sampler_precision == "float32" else "bfloat16")
     mesh = sharding.make_mesh({"fsdp": n_dev}, jax.devices()[:n_dev]) if n_dev > 1 else None
-    params = model.abstract_params(cfg)
+    params = model.abstract_params(model_cfg)
     if mesh is not None:
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             params,
-            model.param_shardings(cfg, mesh, "sample"),
+            model.param_shardings(model_cfg, mesh, "sample"),
         )
-    if precision != "float32":
-        params = jax.eval_shape(precision_lib.prepare_fn(precision), params)
-    st = decode_lib.Static(max_new_tokens=case["new"], num_samples=case["samples"], greedy=False,
-                         top_k=0, use_top_p=False, stop_ids=(), pad_id=0)  # fmt: skip
-    prefill, decode = sampler._compiled(scfg, st, mesh)
+    if sampler_precision != "float32":
+        params = jax.eval_shape(precision.prepare_fn(sampler_precision), params)
+    st = decode.Static(max_new_tokens=case["new"], num_samples=case["samples"], greedy=False,
+                       top_k=0, use_top_p=False, stop_ids=(), pad_id=0)  # fmt: skip
+    prefill, dec = sampler._compiled(scfg, st, mesh)
     shape = (case["prompts"], case["prompt"])
     sh = None if mesh is None else sharding.batch_sharding(mesh)
     toks = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
@@ -163,13 +161,19 @@ def _sample_case(case):
     grown = jax.eval_shape(lambda c: [kv_cache.grow_layer(layer, full) for layer in c], state.cache)
     sh = lambda x, old: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=old.sharding)
     state = state.replace(cache=jax.tree.map(sh, grown, state.cache))
-    xla_decode = _xla_total(decode.segments[-1].lower(params, state, *args[1:]).compile())
+    xla_decode = _xla_total(dec.segments[-1].lower(params, state, *args[1:]).compile())
     amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": n_dev}, n_dev))
     terms = memory.sampler_terms(
-        scfg, amesh, case["prompts"], case["samples"], case["prompt"], case["new"], precision
+        scfg,
+        amesh,
+        case["prompts"],
+        case["samples"],
+        case["prompt"],
+        case["new"],
+        sampler_precision,
     )
-    weights = memory.sampler_copy_bytes(cfg, amesh, precision) or memory.param_bytes(
-        cfg, amesh, "sample"
+    weights = memory.sampler_copy_bytes(model_cfg, amesh, sampler_precision) or memory.param_bytes(
+        model_cfg, amesh, "sample"
     )
     return {
         "prefill": {

@@ -363,7 +363,7 @@ SEGMENTED_T = 56  # decodes in two segments: attention over 16 + 32, then 16 + 5
 
 
 def test_segmented_decode_equals_teacher_forcing(tiny):
-    """Would catch a decode segment that attends over fewer cache positions than are filled
+    """Catches a decode segment that attends over fewer cache positions than are filled
     (planted: a bound 2 short, error 0.55), a cache re-zeroed or not carried from one segment to
     the next, or a step counter that restarts: a 56-token generation must give the teacher-forced
     log-prob at every position."""

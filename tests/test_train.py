@@ -11,9 +11,10 @@ import pytest
 
 from configs import quickstart
 from ess_jax.io import weights
-from ess_jax.model import decoder as model_lib
-from ess_jax.objectives import scopes as accumulate
-from ess_jax.rl import train
+from ess_jax.model import decoder as model
+from ess_jax.objectives import scopes as A
+from ess_jax.parallel import sharding
+from ess_jax.rl import rollout, train
 from ess_jax.rl.metrics import read_metrics
 
 
@@ -43,7 +44,7 @@ def first_rows(config, workdir, steps=1):
     run = train.Run(config, str(workdir))
     run.reward_fn = coin_reward
     run.sft()
-    run.history.push(0, train.sharding_lib.reshard(run.state.params, run.sample_sh))
+    run.history.push(0, sharding.reshard(run.state.params, run.sample_sh))
     return [run.rl_step(s) for s in range(steps)]
 
 
@@ -124,9 +125,9 @@ def test_each_off_policy_knob_lowers_ess(tmp_path, knob, value, step):
 def test_external_behaviour_model_lowers_ess(tmp_path):
     base = tiny_config()
     run = train.Run(base, str(tmp_path / "probe"))
-    other = model_lib.init_params(run.cfg, 123)
+    other = model.init_params(run.model_cfg, 123)
     ext_dir = tmp_path / "external"
-    weights.save_hf(run.cfg, jax.device_get(other), str(ext_dir))
+    weights.save_hf(run.model_cfg, jax.device_get(other), str(ext_dir))
     c = tiny_config(
         **{"rollout.external_fraction": 0.5, "rollout.external_checkpoint": str(ext_dir)}
     )
@@ -163,16 +164,16 @@ def test_relative_workdir_and_metrics_rows_are_json(tmp_path, monkeypatch):
 
 
 def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
-    real = accumulate.step_loss_and_grad
+    real = A.step_loss_and_grad
 
     def poisoned(*args, **kwargs):
         loss, grads, metrics = real(*args, **kwargs)
         return loss * jnp.nan, jax.tree.map(lambda g: g * jnp.nan, grads), metrics
 
-    monkeypatch.setattr(accumulate, "step_loss_and_grad", poisoned)
+    monkeypatch.setattr(A, "step_loss_and_grad", poisoned)
     run = train.Run(tiny_config(), str(tmp_path))
     before = jax.device_get(run.state.params)
-    run.history.push(0, train.sharding_lib.reshard(run.state.params, run.sample_sh))
+    run.history.push(0, sharding.reshard(run.state.params, run.sample_sh))
     rows = [run.rl_step(0), run.rl_step(1)]
     assert [r["skipped"] for r in rows] == [1, 1]
     with pytest.raises(train.NonFiniteError, match="3 updates in a row"):
@@ -205,7 +206,7 @@ def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path, monkeypatch):
 def test_ctrl_c_between_update_and_history_push_still_saves(tmp_path, monkeypatch):
     # lag 0 on one layout: the history shares buffers with the params the update donated
     c = tiny_config(**{"train.steps": 3, "train.checkpoint_every": 100})
-    real_push = train.rollout_lib.ParamHistory.push
+    real_push = rollout.ParamHistory.push
 
     raised = []
 
@@ -215,10 +216,10 @@ def test_ctrl_c_between_update_and_history_push_still_saves(tmp_path, monkeypatc
             raise KeyboardInterrupt
         return real_push(self, version, params)
 
-    monkeypatch.setattr(train.rollout_lib.ParamHistory, "push", push)
+    monkeypatch.setattr(rollout.ParamHistory, "push", push)
     with pytest.raises(KeyboardInterrupt):
         train.run(c, str(tmp_path))
-    monkeypatch.setattr(train.rollout_lib.ParamHistory, "push", real_push)
+    monkeypatch.setattr(rollout.ParamHistory, "push", real_push)
     # step 1's update was applied: its state is saved as step 2 (no deleted buffer touched)
     assert train.Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2
     train.run(c, str(tmp_path))
@@ -228,7 +229,7 @@ def test_ctrl_c_between_update_and_history_push_still_saves(tmp_path, monkeypatc
 def test_ctrl_c_while_sampling_resumes_exactly(tmp_path, monkeypatch):
     c = tiny_config(**{"train.steps": 3, "train.checkpoint_every": 100})
     train.run(c, str(tmp_path / "full"))
-    real_collect = train.rollout_lib.collect
+    real_collect = rollout.collect
     calls = []
 
     def collect(*args, **kwargs):
@@ -237,10 +238,10 @@ def test_ctrl_c_while_sampling_resumes_exactly(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_collect(*args, **kwargs)
 
-    monkeypatch.setattr(train.rollout_lib, "collect", collect)
+    monkeypatch.setattr(rollout, "collect", collect)
     with pytest.raises(KeyboardInterrupt):
         train.run(c, str(tmp_path / "cut"))
-    monkeypatch.setattr(train.rollout_lib, "collect", real_collect)
+    monkeypatch.setattr(rollout, "collect", real_collect)
     assert train.Checkpointer(str(tmp_path / "cut" / "checkpoints")).latest_step() == 1
     train.run(c, str(tmp_path / "cut"))
     volatile = ("tokens_per_s", "sample_s", "step_s")

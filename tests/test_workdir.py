@@ -1,4 +1,4 @@
-"""Runs that refuse what they cannot do safely (issue 9): the resume config check, the workdir
+"""Runs that refuse what they cannot do safely: the resume config check, the workdir
 lock, the checkpoint fallback, the effective config file and the console eval rows.
 
 One finished tiny run (module fixture, ~30 s) is copied into each test that damages it.
@@ -103,7 +103,8 @@ def copied(finished, tmp_path):
 
 
 def test_eval_rows_are_printed_to_the_console(finished):
-    """Row 9: held-out pass@1 / pass@k used to land only in metrics.jsonl and TensorBoard."""
+    """Catches held-out pass@1 / pass@k landing only in metrics.jsonl and TensorBoard: every eval
+    row must also be printed on the console."""
     workdir, stdout = finished
     evals = [r for r in read_metrics(workdir) if "eval/pass@1" in r]
     assert [r["step"] for r in evals] == [0, 1]
@@ -113,8 +114,9 @@ def test_eval_rows_are_printed_to_the_console(finished):
 
 
 def test_effective_config_is_written_and_the_lock_is_gone(finished):
-    """Row 4 (the file): a run's effective config was nowhere but inside orbax metadata; and a
-    clean exit must not leave a lock that the next run would have to take over."""
+    """Catches a run's effective config kept nowhere but inside orbax metadata (config.json must
+    hold it, written atomically), and a clean exit that leaves a lock the next run would have
+    to take over."""
     workdir, _ = finished
     with open(workdir / "config.json") as f:
         assert json.load(f) == json.loads(json.dumps(config().to_dict()))
@@ -123,8 +125,10 @@ def test_effective_config_is_written_and_the_lock_is_gone(finished):
 
 
 def test_resume_with_another_config_is_refused_and_changes_nothing(copied):
-    """Row 4: a P3O workdir resumed with objective.name=grpo rollout.temperature=1.2 used to
-    resume silently (metrics of both runs mixed, keep-2 deleting the P3O checkpoints)."""
+    """Catches a P3O workdir resumed silently with objective.name=grpo rollout.temperature=1.2
+    (metrics of both runs mixed, keep-2 deleting the P3O checkpoints): the resume must be
+    refused naming the changed fields, change nothing, and go ahead only for allowed or safe
+    changes."""
     before = snapshot(copied)
     other = config(**{"objective.name": "grpo", "rollout.temperature": 1.2, "train.steps": 3})
     with pytest.raises(WorkdirError) as e:
@@ -143,9 +147,9 @@ def test_resume_with_another_config_is_refused_and_changes_nothing(copied):
 
 
 def test_two_runs_on_one_workdir(tmp_path, caplog):
-    """Row 5: two runs started on one workdir both used to write (rows duplicated). The second
-    must refuse at once naming the first's pid and host; once the holder is killed -9 its
-    lock is taken over with a warning."""
+    """Catches two runs started on one workdir both writing (rows duplicated): the second must
+    refuse at once naming the first's pid and host; once the holder is killed -9 its lock is
+    taken over with a warning."""
     workdir = tmp_path / "run"
     cmd = main_cmd(workdir, **{"train.steps": 100000})
     procs = [
@@ -187,9 +191,9 @@ def test_two_runs_on_one_workdir(tmp_path, caplog):
 
 
 def test_truncated_newest_checkpoint_falls_back_to_the_newest_intact_one(copied, caplog):
-    """Row 6 (default): a truncated array file of the newest step used to end the run with 7
-    tracebacks and no fallback. Now: a warning, restore of the previous step, the bad step
-    moved aside (never deleted), and that step written again by the next save."""
+    """Catches a truncated array file of the newest step ending the run (pages of tracebacks, no
+    fallback): by default the run must warn, restore the previous step, move the bad step
+    aside (never delete it), and write that step again at the next save."""
     truncate_array_files(copied / "checkpoints" / "1")
     run = train.Run(config(), str(copied))
     try:
@@ -205,8 +209,9 @@ def test_truncated_newest_checkpoint_falls_back_to_the_newest_intact_one(copied,
 
 
 def test_truncated_checkpoint_without_fallback_is_one_error_and_changes_nothing(copied):
-    """Row 6 (restore_fallback=False): 249 lines and 7 tracebacks used to bury the
-    CheckpointError at line 157; the workdir must be left as it was."""
+    """Catches a truncated checkpoint with restore_fallback=False reported as pages of tracebacks
+    that bury the CheckpointError: the error must be one line, and the workdir left as it
+    was."""
     truncate_array_files(copied / "checkpoints" / "1")
     before = snapshot(copied)
     cmd = main_cmd(copied, **{"train.restore_fallback": False})
@@ -224,7 +229,8 @@ def test_truncated_checkpoint_without_fallback_is_one_error_and_changes_nothing(
 
 
 def test_truncated_metadata_json_names_the_file_and_the_step(copied, caplog):
-    """Row 7: a truncated checkpoint metadata JSON used to raise a bare JSONDecodeError."""
+    """Catches a truncated checkpoint metadata JSON raising a bare JSONDecodeError: the error must
+    name the file and the step (and the default run falls back to the older step)."""
     meta = copied / "checkpoints" / "1" / "metadata" / "metadata"
     with open(meta, "r+b") as f:
         f.truncate(20)
@@ -250,9 +256,9 @@ def _small(s=0):
 
 
 def test_keep_n_never_deletes_an_intact_step_while_newer_ones_are_unverified(tmp_path):
-    """Row 6 (keep-N): orbax's keep-N counted any newer step, so a run that restored an older
-    step past an unreadable one deleted the intact step. Steps count once verified: saved
-    and read back, or restored, by this process."""
+    """Catches keep-N counting any newer step (orbax's rule), which deletes the intact step a run
+    restored past an unreadable newer one. Steps must count only once verified: saved and read
+    back, or restored, by this process."""
     ckpt = Checkpointer(str(tmp_path), keep=2)
     for s in (1, 2, 3):
         ckpt.save(s, _small(s), {"s": s})
@@ -276,8 +282,8 @@ def test_keep_n_never_deletes_an_intact_step_while_newer_ones_are_unverified(tmp
 
 def test_refused_run_names_a_holder_that_has_not_written_its_record_yet(tmp_path):
     """Catches the refusal naming "another process" when it lands between the holder's flock
-    and the write of its pid / host (seen in CI: test_two_runs_on_one_workdir's two runs
-    started together): the refused process waits for the record (planted: no wait, fails)."""
+    and the write of its pid / host (as when test_two_runs_on_one_workdir's two runs start
+    together): the refused process must wait for the record (planted: no wait, fails)."""
     import fcntl
     import threading
 
