@@ -11,6 +11,8 @@ from ess_jax.config.defaults import base_config
 
 
 def get_config(arg: str | None = None):
+    if arg not in (None, "", "tiny"):
+        raise ValueError(f"unknown arm {arg!r}; this file's arms: tiny (none: the full run)")
     c = base_config()
     c.task.name = c.task.reward = "addition"
     c.task.difficulty = {"digits": 2}

@@ -12,6 +12,8 @@ from ess_jax.config.defaults import base_config
 
 
 def get_config(arg: str | None = None):
+    if arg not in (None, "", "tiny"):
+        raise ValueError(f"unknown arm {arg!r}; this file's arms: tiny (none: the full run)")
     c = base_config()
     c.model.source = "smollm2"
     c.task.name = "addition"

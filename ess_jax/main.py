@@ -4,7 +4,8 @@ Any config field can be overridden: `--config.objective.name=grpo --config.train
 Resuming a workdir with other values than its checkpoint's is refused except for
 `workdir.SAFE_ON_RESUME` (train.steps, eval.*, ...) and `--allow_config_change=field,...`.
 Errors a user can fix (a config value, a busy workdir, an unreadable checkpoint) print as one
-line; `--verbose` or ESS_JAX_VERBOSE=1 shows the traceback.
+line; `--verbose` or ESS_JAX_VERBOSE=1 shows the traceback. SIGTERM (preemption) writes a
+checkpoint, prints one `stopped:` line and exits with 143 (`ess_jax.rl.preemption`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from ess_jax.config import presets
 from ess_jax.config import schema as config_checks  # no jax: a bad config fails before jax
 from ess_jax.config.schema import UserError
 
@@ -39,14 +41,14 @@ def _verbose(argv=()) -> bool:
     return parsed or "--verbose" in argv or os.environ.get("ESS_JAX_VERBOSE", "") not in ("", "0")
 
 
-def _exit(msg: str) -> None:
-    print("error: " + " ".join(msg.split()), file=sys.stderr)  # one line
+def _exit(msg: str, code: int = 2, prefix: str = "error: ") -> None:
+    print(prefix + " ".join(msg.split()), file=sys.stderr)  # one line
     sys.stdout.flush()
     sys.stderr.flush()
     # Not sys.exit: a failed orbax restore can leave asyncio tasks whose teardown at interpreter
     # exit prints "Event loop is closed" tracebacks under the one-line error. The run's own
     # cleanup (checkpoint wait, workdir lock) has already happened in train.run's finally.
-    os._exit(2)
+    os._exit(code)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -76,6 +78,7 @@ def main(argv) -> None:
     try:
         config = _config()
         config_checks.check(config)
+        presets.set_memory_fraction()  # the planner's share of GPU memory, before jax starts
         from ess_jax.rl import train  # jax initialises devices on import of train
 
         png = train.run(config, _WORKDIR.value, allow_config_change=_ALLOW.value)
@@ -83,6 +86,10 @@ def main(argv) -> None:
         if _verbose():
             raise
         _exit(str(e))
+    except KeyboardInterrupt as e:  # SIGTERM (preemption.Preempted): the checkpoint is written
+        if not getattr(e, "exit_code", None):
+            raise  # Ctrl-C
+        _exit(f"{e}; rerun the same command to resume", e.exit_code, prefix="stopped: ")
     print(f"done: metrics in {_WORKDIR.value}/metrics.jsonl, curves in {png}")
 
 

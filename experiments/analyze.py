@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import os
 import sys
@@ -39,9 +38,20 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
 REFERENCE = "p3o"
 
 
+def read_rows(path: str) -> list[dict]:
+    """A metrics.jsonl's rows (ess_jax.rl.metrics.read_metrics, which imports no jax): a cut last
+    line is left out with a warning; a bad line before it stops with the file and line."""
+    from ess_jax.rl.metrics import MetricsError, read_metrics
+
+    try:
+        return read_metrics(path)
+    except MetricsError as e:
+        raise SystemExit(str(e)) from e
+
+
 def load_run(path: str) -> dict:
     """{'train': [rows with reward_mean], 'eval': [rows with eval/pass@1]} of a metrics.jsonl."""
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = read_rows(path)
     train = sorted((r for r in rows if "reward_mean" in r), key=lambda r: r["step"])
     evals = sorted((r for r in rows if "eval/pass@1" in r), key=lambda r: r["step"])
     return {"train": train, "eval": evals}

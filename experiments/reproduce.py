@@ -23,7 +23,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import importlib
-import json
 import os
 import shutil
 import subprocess
@@ -34,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]  # configs.mini; analyze
 
-from analyze import TIMING_KEYS  # noqa: E402
+from analyze import TIMING_KEYS, read_rows  # noqa: E402
 
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 # Experiments in the order they run (each completes all its seeds before the next starts).
@@ -193,7 +192,7 @@ def plan(experiments, arms, seeds, results) -> list[Job]:
 
 def deterministic_rows(path: str) -> list[dict]:
     """A metrics.jsonl's rows without the timing fields (they differ between identical runs)."""
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = read_rows(path)
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
 
 

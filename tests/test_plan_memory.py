@@ -237,7 +237,7 @@ def test_tool_prints_a_verdict_last(capsys):
     path = os.path.join(ROOT, "configs/paper/e1_clip_sweep.py")
     assert plan_memory.main([f"--config={path}:p3o,v5p-8"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("peak ") and last.endswith(("fits", "DOES NOT FIT")), last
+    assert last.startswith("peak ") and (last.endswith("fits") or "DOES NOT FIT: " in last), last
     assert plan_memory.main([f"--config={path}:p3o", "--mesh=fsdp=2,tensor=4"]) == 0
     assert "'tensor': 4" in capsys.readouterr().out
 

@@ -5,7 +5,8 @@ AMC 2023 and MATH-500 at 4K and 16K new tokens, printed as the paper's table.
         --data=aime24=/data/aime_2024,aime25=/data/aime25,amc23=/data/amc23,math500=/data/math500
 
 --checkpoint: a Hugging Face directory (model.source: a base model, or the `hf/` a run writes
-with --config.train.export_hf=True), or a run's workdir holding `hf/`. --data: benchmark=dir
+with --config.train.export_hf=True), a .gguf file, or a run's workdir: its `hf/` export if it has
+one, else its newest orbax checkpoint (ess_jax/rl/saved_policy.py). --data: benchmark=dir
 pairs, each dir holding the public release's file(s) named by split (test.jsonl, or
 train-00000-of-00001.parquet as HuggingFaceH4/aime_2024 ships it): the split used is `test`,
 else the only one there. Each problem gets k samples at the temperature (float32 sampler, the
@@ -45,27 +46,23 @@ def pass_table(correct_NxK: np.ndarray) -> dict[int, float]:
     return {j: float(np.mean([pass_at_k(k, int(c), j) for c in hits])) for j in js}
 
 
-def resolve_checkpoint(path: str) -> str:
-    if os.path.isfile(os.path.join(path, "config.json")) or path.endswith(".gguf"):
-        return path
-    hf = os.path.join(path, "hf")
-    if os.path.isfile(os.path.join(hf, "config.json")):
-        return hf
-    raise SystemExit(
-        f"{path}: not a Hugging Face checkpoint and no hf/ inside (a run writes one with "
-        "--config.train.export_hf=True)"
-    )
-
-
-def load_benchmark(name: str, directory: str, prompt_template: str | None = None) -> list[dict]:
-    from ess_jax.data import load_dataset
+def load_benchmark(
+    name: str, directory: str, prompt_template: str | None = None, cache_dir: str | None = None
+) -> list[dict]:
+    from ess_jax.data import CacheDirError, load_dataset
     from ess_jax.data.datasets.records import find_split_files
 
     splits = sorted(find_split_files(directory))
     split = "test" if "test" in splits else splits[0]
     if len(splits) > 1 and split != "test":
         raise SystemExit(f"{directory}: several splits {splits} and no test split")
-    return list(load_dataset(name, directory, split, prompt_template=prompt_template))
+    try:
+        ds = load_dataset(
+            name, directory, split, prompt_template=prompt_template, data_dir=cache_dir
+        )
+    except CacheDirError as e:
+        raise SystemExit(f"error: {e} (--cache_dir)") from e
+    return list(ds)
 
 
 def evaluate_all(policy, tokenizer, stop_ids, benchmarks, args, reward=None) -> list[dict]:
@@ -138,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", default="fsdp=-1", help="e.g. fsdp=4,tensor=2")
     p.add_argument("--dtype", default="bfloat16", help="model compute dtype")
     p.add_argument("--prompt_template", help="default: the dataset's ({problem} + boxed)")
+    p.add_argument("--cache_dir", help="where the data's tfds build goes (default: <dir>/_tfds)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the rows as JSON here")
     args = p.parse_args(argv)
@@ -148,21 +146,31 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown benchmarks {sorted(unknown)}; valid: {', '.join(BENCHMARKS)}")
 
+    from ess_jax.config import presets
+
+    presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
     from ess_jax.config.defaults import base_config
+    from ess_jax.config.schema import UserError
     from ess_jax.parallel import sharding
-    from ess_jax.rl import experiment, rollout
+    from ess_jax.rl import experiment, rollout, saved_policy
     from ess_jax.sampling import sampler
 
     sharding.maybe_initialize_distributed()
     mesh_shape = {a: int(s) for a, s in (x.split("=") for x in args.mesh.split(","))}
     mesh = sharding.make_mesh(mesh_shape)
     config = base_config()
-    config.model.source = resolve_checkpoint(args.checkpoint)
     config.model.dtype = args.dtype
-    cfg, params, tokenizer = experiment.load_policy(config.model, mesh)
+    settings = experiment.trainer_settings(config.model)
+    try:
+        cfg, params, tokenizer, source = saved_policy.load(args.checkpoint, mesh, settings)
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from e
+    print(f"[evaluating {source}]", file=sys.stderr)
     # the sample layout once, not per sampler call
     policy = rollout.PolicySource(cfg, sampler.sample_layout(cfg, params, mesh), 0)
-    benchmarks = {n: load_benchmark(n, d, args.prompt_template) for n, d in data.items()}
+    benchmarks = {
+        n: load_benchmark(n, d, args.prompt_template, args.cache_dir) for n, d in data.items()
+    }
     rows = evaluate_all(policy, tokenizer, experiment.stop_ids(config, tokenizer), benchmarks, args)
     print(format_table(rows))
     if args.out:

@@ -3,8 +3,11 @@
     .venv/bin/python tools/generate.py --prompt "What is 7 * 8?"          # SmolLM2 GGUF
     .venv/bin/python tools/generate.py --checkpoint /path/hf_dir --prompt "Hi" \\
         --temperature 0.7 --top-p 0.9 --max-new-tokens 64 --num-samples 2 --show-logp
+    .venv/bin/python tools/generate.py --checkpoint runs/quickstart --prompt "12+34="
 
-The chat template is applied when the tokenizer has one (disable with --no-chat).
+--checkpoint: a Hugging Face directory, a .gguf file, or a run's workdir (its hf/ export, else
+its newest orbax checkpoint: ess_jax/rl/saved_policy.py). The chat template is applied when the
+tokenizer has one (disable with --no-chat).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--checkpoint",
         default=None,
-        help="HF checkpoint directory or .gguf file (default: SmolLM2-135M GGUF)",
+        help="HF checkpoint directory, .gguf file or run workdir (default: SmolLM2-135M GGUF)",
     )
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -53,14 +56,23 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
 
+    from ess_jax.config import presets
+
+    presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
     import jax
 
+    from ess_jax.config.schema import UserError
     from ess_jax.io import weights
+    from ess_jax.rl import saved_policy
     from ess_jax.sampling import sampler
 
-    path = args.checkpoint or weights.smollm2_gguf_path()
     t0 = time.perf_counter()
-    cfg, params, tokenizer = weights.load_checkpoint(path)
+    try:
+        cfg, params, tokenizer, path = saved_policy.load(
+            args.checkpoint or weights.smollm2_gguf_path()
+        )
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from e
     if tokenizer is None:
         raise SystemExit(f"{path} has no tokenizer files; cannot encode a text prompt")
     ids = encode(tokenizer, args.prompt, args.chat)

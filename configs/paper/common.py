@@ -41,6 +41,10 @@ BATCHING = {"8xh100": (4, 16), "8xh200": (8, 32), "v5p-8": (4, 16), "v5e-16": (1
 # 4 fills the batch while up to 80% of groups are constant and bounds a step's sampling at 5x
 # a plain step's; ds_groups_masked > 0 in metrics.jsonl says when it was not enough.
 DAPO_RESAMPLE_ROUNDS = 4
+# DAPO arms also take DAPO's soft overlong penalty (rollout.overlong_buffer): a buffer of a fifth
+# of the response budget, DAPO's own ratio (a 4096-token buffer at 20480 max new tokens), i.e.
+# max_new_tokens // 5 of the finished config (819 at 4K new tokens, 3 under `tiny`).
+DAPO_OVERLONG_FRACTION = 5
 
 
 def parse(arg: str | None, arms: tuple[str, ...], fits: tuple[str, ...] = FITS_ALL):
@@ -53,15 +57,16 @@ def parse(arg: str | None, arms: tuple[str, ...], fits: tuple[str, ...] = FITS_A
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
     if preset not in (*fits, "tiny"):
-        raise ValueError(
+        presets.refuse(
             f"preset {preset!r} does not fit this experiment (tools/plan_memory.py); it fits "
-            f"{', '.join(fits)}. Another mesh: --config.mesh, checked by the planner's --mesh"
+            f"{', '.join(fits)}. Another mesh: --config.mesh, checked by the planner's --mesh",
         )
     return arm, preset
 
 
 def with_objective(c, arm: str):
-    """configs/mini's objective arm; DAPO arms also resample (DAPO_RESAMPLE_ROUNDS)."""
+    """configs/mini's objective arm; DAPO arms also resample (DAPO_RESAMPLE_ROUNDS) and, set in
+    `finish`, penalise overlong responses (DAPO_OVERLONG_FRACTION)."""
     c = mini.with_objective(c, arm)
     if c.rollout.dynamic_sampling:
         c.rollout.max_resample_rounds = DAPO_RESAMPLE_ROUNDS
@@ -99,8 +104,17 @@ def base(source: str = QWEN3_4B, max_new_tokens: int = 4096):
 
 
 def finish(c, preset: str, min_tensor: int = 1):
-    """Applies the hardware preset (mesh and batching) or the CPU `tiny` shrink. `min_tensor`:
-    tensor parallelism at least this wide (fewer FSDP ranks), for a larger sample layout."""
+    """Applies the hardware preset (mesh and batching) or the CPU `tiny` shrink, then sizes a
+    DAPO arm's overlong buffer from the final max_new_tokens (DAPO_OVERLONG_FRACTION).
+    `min_tensor`: tensor parallelism at least this wide (fewer FSDP ranks), for a larger sample
+    layout."""
+    c = _fit(c, preset, min_tensor)
+    if c.objective.name == "dapo":
+        c.rollout.overlong_buffer = max(1, c.rollout.max_new_tokens // DAPO_OVERLONG_FRACTION)
+    return c
+
+
+def _fit(c, preset: str, min_tensor: int):
     if preset == "tiny":  # SmolLM2-135M: a real tokenizer (the data is LaTeX), CPU-sized
         c.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
         c.model.source = "smollm2"

@@ -13,8 +13,9 @@ Paper numbers to reproduce (train reward, ~35 steps): eps 0.2 collapses (~0.5 ->
 35), eps 0.6 holds ~0.5, P3O ~0.51. Held-out pass@1 at 4K tokens (tools/evaluate.py), GRPO
 (mean over eps) vs P3O: AIME24 0.176 vs 0.165, AIME25 0.160 vs 0.183, AMC 0.381 vs 0.493.
 dapo / cispo / gspo / p3o_dual are not in the paper's figure (its tabulated baselines); they
-share the setup (dapo refills constant-reward groups by resampling: DAPO_RESAMPLE_ROUNDS in
-common.py). Unknown: seeds, the exact lr per run, ESS scope (step here; common.py).
+share the setup (dapo refills constant-reward groups by resampling and penalises overlong
+responses: DAPO_RESAMPLE_ROUNDS and DAPO_OVERLONG_FRACTION in common.py). Unknown: seeds, the
+exact lr per run, ESS scope (step here; common.py).
 """
 
 from configs.paper import common

@@ -39,6 +39,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.task.reward = "addition"
     c.task.difficulty = {}  # synthetic tasks' dials, e.g. {"digits": 2}
     c.task.manual_dir = ""  # local files of gsm8k / deepscaler / math
+    # where the tfds build of those files goes ("": <manual_dir>/_tfds); set it when manual_dir
+    # is read-only
+    c.task.cache_dir = ""
     c.task.test_split = "test"
     c.task.num_train = 0  # 0: all
     c.task.num_test = 0
@@ -46,6 +49,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict()
     c.data.prompts_per_step = 16
     c.data.buckets = (16, 32, 64, 128, 256, 512)  # prompt lengths are padded up to these
+    # a prompt longer than the largest bucket stops the run at startup, naming it; True leaves
+    # such prompts out (train and held-out) and logs how many
+    c.data.drop_long_prompts = False
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.group_size = 8  # G samples per prompt
@@ -97,7 +103,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.p3o_drop_cap = False  # ablation: P3O weighting by sg(rho), no cap ("KL only")
     c.objective.is_level = "token"  # grpo_tis / grpo_mis: token | sequence behaviour weight
     c.objective.is_cap = 2.0  # TIS truncation C (MIS: upper edge of the kept band)
-    c.objective.is_cap_low = 0.0  # MIS: lower edge of the kept band
+    c.objective.is_cap_low = 0.0  # MIS: lower edge of the kept band (verl's default: 1 / is_cap)
+    c.objective.is_veto = 0.0  # TIS / MIS: zero a sequence with any w_t below it; 0 off (verl 1e-4)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-5

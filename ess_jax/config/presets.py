@@ -7,9 +7,11 @@ layout drops the FSDP sharding (no all-gathers per decoded token), so its per-de
 bytes are params / tensor: the v5e slice needs tensor parallelism to hold them in 16 GB.
 
 Multi-host (v5e-16: 4 hosts): run the same command on every host; `jax.distributed` is
-initialised from the environment (sharding.maybe_initialize_distributed: TPU pods and
-SLURM / Open MPI are detected; otherwise set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-JAX_PROCESS_ID).
+initialised from the environment (sharding.maybe_initialize_distributed: JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES and JAX_PROCESS_ID when set, else jax's own detection of Cloud TPU VMs, SLURM
+and Open MPI jobs of more than one process).
+
+MEM_FRACTION: the share of device memory the planner allows and `ess_jax.main` gives jax.
 
 KNOWN_MODELS: the config.json fields of those models (and SmolLM2), so that the memory planner
 (ess_jax/memory/planner.py) and the config checks can size a run without the checkpoint.
@@ -17,12 +19,38 @@ KNOWN_MODELS: the config.json fields of those models (and SmolLM2), so that the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 
 GB = 1e9
 # Accelerator memory per device, decimal GB as the vendors state it (H100 SXM 80 GB, H200 141 GB,
 # TPU v5p 95 GB per chip, TPU v5e 16 GB per chip).
 HBM = {"h100": 80 * GB, "h200": 141 * GB, "v5p": 95 * GB, "v5e": 16 * GB}
+GPUS = ("h100", "h200")
+
+# The share of each device's memory a run may fill; the rest is left to XLA's workspace,
+# collectives and fragmentation. The memory planner checks a plan against it, and on GPUs the
+# launch gives jax that share: jax preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of the memory
+# (75% unless set), so `set_memory_fraction` sets it to this before jax starts, unless the user
+# set it (then the planner uses the user's value for GPUs).
+MEM_FRACTION = 0.9
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def memory_fraction(device: str, environ=None) -> float:
+    """The share of a `device`'s memory a run may use: the user's XLA_PYTHON_CLIENT_MEM_FRACTION
+    on a GPU when set, else MEM_FRACTION."""
+    environ = os.environ if environ is None else environ
+    if device in GPUS and environ.get(MEM_FRACTION_ENV):
+        return float(environ[MEM_FRACTION_ENV])
+    return MEM_FRACTION
+
+
+def set_memory_fraction(environ=None) -> None:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION = MEM_FRACTION unless set; before jax starts a backend."""
+    environ = os.environ if environ is None else environ
+    environ.setdefault(MEM_FRACTION_ENV, str(MEM_FRACTION))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +71,30 @@ PRESETS: dict[str, Preset] = {
 
 
 DEFAULT = "8xh100"  # the paper's hardware
+
+
+class PresetRefused(ValueError):
+    """A config file refuses a preset its runs do not fit (configs/paper/common.py `parse`)."""
+
+
+_planning: list[bool] = []
+
+
+@contextlib.contextmanager
+def planning():
+    """Config files build a config for any preset inside this block, the ones they refuse
+    included (tools/plan_memory.py shows by how much those miss)."""
+    _planning.append(True)
+    try:
+        yield
+    finally:
+        _planning.pop()
+
+
+def refuse(why: str) -> None:
+    """PresetRefused(why), except inside `planning()`."""
+    if not _planning:
+        raise PresetRefused(why)
 
 
 def get(name: str) -> Preset:

@@ -4,7 +4,8 @@ fixed-choice string fields, field names, and the rollouts whose pi_b objective.k
 
 `check(config)` runs first in `experiment.validate`, and in `main` before jax is even imported,
 so `--config.optim.lr=-0.5` fails in well under a second, before the workdir is touched, with
-one line naming `config.optim.lr`. A typo'd field name gets the closest valid one.
+one line naming `config.optim.lr`. A typo'd field name, on the command line or inside a config
+file, gets the closest valid one (or the field a name from another framework means, names.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from ess_jax.config import names
+from ess_jax.config.defaults import base_config
 
 
 class UserError(Exception):
@@ -120,6 +124,7 @@ DOMAINS: dict[str, Domain] = {
     "objective.beta_ent": Domain(),  # a bonus (> 0) or a penalty (< 0)
     "objective.is_cap": _POS,
     "objective.is_cap_low": _NONNEG,
+    "objective.is_veto": _UNIT_OPEN_HI,
     "optim.lr": _POS,
     "optim.warmup_steps": _ints(0),
     "optim.final_lr_fraction": _UNIT,
@@ -183,12 +188,25 @@ def _as_dict(config) -> dict:
 
 
 def check(config) -> None:
-    """Required fields are set, every numeric field is in its domain, every field of CHOICES is
-    one of its values, the rollout can be re-scored for objective.kl_estimator "full", and the
-    rules between fields hold (`check_rules`); else ConfigError naming the first bad field."""
+    """Every field is one of base_config's (`check_fields`), required fields are set, every
+    numeric field is in its domain, every field of CHOICES is one of its values, the rollout can
+    be re-scored for objective.kl_estimator "full", and the rules between fields hold
+    (`check_rules`); else ConfigError naming the first bad field."""
+    check_fields(config)
     _check_values(config)
     check_full_kl(config)
     check_rules(config)
+
+
+def check_fields(config) -> None:
+    """Every field of `config` is a field of defaults.base_config (or a key of a free-form
+    mapping, names.FREE_FORM): a typo inside a config file (`c.optim.lrr = 1`) would otherwise
+    run with the default and land in config.json. Only extra fields are refused (a partial
+    config passes)."""
+    for path, _ in leaves(_as_dict(config)):
+        if not names.is_known(path):
+            msg = unknown_field(base_config(), path)
+            raise ConfigError(msg or f"config.{path}: no such field")
 
 
 def check_rules(config) -> None:
@@ -224,6 +242,7 @@ def check_rules(config) -> None:
                 f"every group of rollout.group_size={group} has a constant reward: "
                 "resampling could never fill the batch",
             )
+    _check_learnable(get)
     if v := get("rollout.external_fraction", "rollout.external_checkpoint", "rollout.group_size"):
         fraction, checkpoint, group = v
         if fraction > 0 and not checkpoint:
@@ -249,6 +268,31 @@ def check_rules(config) -> None:
             fail(
                 "train.num_microbatches", f"update batch {batch // updates} is not divisible by it"
             )
+
+
+def _check_learnable(get) -> None:
+    """Refuse the RL runs whose every advantage is 0 by construction: every advantage_mode
+    (grpo, drgrpo, rloo) centres a reward on its group's mean, so a group of one sample, or of
+    greedy samples (one completion drawn G times, one reward), gives no policy gradient; only
+    the KL and entropy terms would move the policy. An external model's samples differ from the
+    policy's, so greedy groups that mix both can still learn."""
+    v = get("train.steps", "rollout.group_size", "rollout.temperature", "rollout.external_fraction")
+    if not v or not v[0]:
+        return  # no RL steps (an SFT warm start)
+    _, group, temperature, external = v
+    if group == 1:
+        fail(
+            "rollout.group_size",
+            "1: each reward is its group's mean, so every group-relative advantage is 0 and RL "
+            "cannot learn; use >= 2 samples per prompt",
+        )
+    if temperature == 0 and not external:
+        fail(
+            "rollout.temperature",
+            f"0 (greedy) draws one completion rollout.group_size={group} times per prompt: each "
+            "group's rewards are equal, every advantage is 0 and RL cannot learn; use a "
+            "temperature > 0 (eval.temperature=0 evaluates greedily)",
+        )
 
 
 def check_full_kl(config) -> None:
@@ -300,19 +344,22 @@ def _check_values(config) -> None:
 
 def unknown_field(config, path: str) -> str | None:
     """None if `path` (e.g. "objective.name") is a field of `config`; else a one-line message
-    naming it and the closest valid field."""
-    node, parts = _as_dict(config), path.split(".")
+    naming it and the field it most likely means: the one names.ALIASES gives (learning_rate
+    -> optim.lr), else the closest spelling in its section, else the closest path."""
+    tree = _as_dict(config)
+    node, parts = tree, path.split(".")
     for i, part in enumerate(parts):
         if isinstance(node, Mapping) and part in node:
             node = node[part]
             continue
         if not isinstance(node, Mapping):
             return f"config.{path}: no such field ({'.'.join(parts[:i])} is not a section)"
+        guess = names.alias(tree, path)
         close = difflib.get_close_matches(part, [str(k) for k in node], n=1, cutoff=0.5)
-        if close:
+        if guess is None and close:
             guess = ".".join([*parts[:i], close[0], *parts[i + 1 :]])
-        else:
-            every = [p for p, _ in leaves(_as_dict(config))]
+        elif guess is None:
+            every = [p for p, _ in leaves(tree)]
             close = difflib.get_close_matches(path, every, n=1, cutoff=0.5)
             guess = close[0] if close else None
         hint = f"; did you mean {guess}?" if guess else ""

@@ -6,6 +6,7 @@ A leaf package: imports nothing else from ess_jax (and no jax).
 from ess_jax.data.batching import (
     DEFAULT_BUCKETS,
     PromptBatcher,
+    PromptTooLongError,
     SFTBatcher,
     repeat_for_group,
     sft_batches,
@@ -13,6 +14,7 @@ from ess_jax.data.batching import (
 from ess_jax.data.datasets import (
     BUILDERS,
     PROMPT_TEMPLATES,
+    CacheDirError,
     LocalDataset,
     get_builder,
     load_dataset,
@@ -24,11 +26,13 @@ from ess_jax.data.tokenizer import (
     decode_completion,
     encode_completion,
     encode_prompt,
+    encode_prompts,
     load_tokenizer,
 )
 
 __all__ = [
     "BUILDERS",
+    "CacheDirError",
     "DEFAULT_ALPHABET",
     "DEFAULT_BUCKETS",
     "PROMPT_TEMPLATES",
@@ -37,6 +41,7 @@ __all__ = [
     "CountdownTask",
     "LocalDataset",
     "PromptBatcher",
+    "PromptTooLongError",
     "SFTBatcher",
     "SortTask",
     "Task",
@@ -44,6 +49,7 @@ __all__ = [
     "decode_completion",
     "encode_completion",
     "encode_prompt",
+    "encode_prompts",
     "get_builder",
     "get_task",
     "load_dataset",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ess_jax.data.tokenizer import encode_completion, encode_prompt
+from ess_jax.data.tokenizer import encode_completion, encode_prompt, encode_prompts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -73,6 +73,10 @@ class _EpochOrder:
         self._order = self._permutation()
 
 
+class PromptTooLongError(ValueError):
+    """A prompt longer than the largest bucket (or too few prompts left without such ones)."""
+
+
 def _describe(index: int, example: dict) -> str:
     return f"example {index} (prompt {str(example.get('prompt', ''))[:60]!r})"
 
@@ -82,9 +86,13 @@ class PromptBatcher:
 
     next(b) -> {"prompt_tokens": int32 [B, P] left-padded with the pad id,
                 "prompt_mask": bool [B, P] (False on pads),
-                "examples": the B example dicts, "indices": int64 [B]},
+                "examples": the B example dicts, "indices": int64 [B] (into `examples`)},
     P = the smallest bucket >= the longest prompt in the batch. `state()` /
     `restore(state)` make the stream resumable exactly.
+
+    Every prompt is tokenized at construction: one longer than the largest bucket is a
+    PromptTooLongError naming it (before any work, not when its batch comes up), or with
+    `drop_long=True` it is left out of the stream (`dropped`: their indices).
     """
 
     def __init__(
@@ -97,15 +105,31 @@ class PromptBatcher:
         shuffle: bool = True,
         *,
         use_chat_template: bool | None = None,
+        drop_long: bool = False,
     ):
         self.buckets = tuple(sorted(int(b) for b in buckets))
         if not self.buckets or self.buckets[0] < 1:
             raise ValueError(f"buckets must be positive lengths, got {buckets}")
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer has no pad token")
-        self.examples, self.tokenizer = examples, tokenizer
-        self.batch_size, self.use_chat_template = batch_size, use_chat_template
-        self._order = _EpochOrder(len(examples), batch_size, seed, shuffle)
+        self.examples, self.tokenizer, self.batch_size = examples, tokenizer, batch_size
+        ids = encode_prompts(tokenizer, [ex["prompt"] for ex in examples], use_chat_template)
+        longest = self.buckets[-1]
+        self.dropped = [i for i, row in enumerate(ids) if len(row) > longest]
+        if self.dropped and not drop_long:
+            i = self.dropped[0]
+            raise PromptTooLongError(
+                f"{_describe(i, examples[i])} has {len(ids[i])} tokens, more than the largest "
+                f"bucket {longest} ({len(self.dropped)} of {len(examples)} prompts are longer)"
+            )
+        self._kept = np.array(sorted(set(range(len(ids))) - set(self.dropped)), np.int64)
+        if self.dropped and len(self._kept) < batch_size:
+            raise PromptTooLongError(
+                f"only {len(self._kept)} of {len(examples)} prompts fit the largest bucket "
+                f"{longest}: fewer than batch_size={batch_size}"
+            )
+        self._ids = [ids[i] for i in self._kept]
+        self._order = _EpochOrder(len(self._kept), batch_size, seed, shuffle)
 
     def __iter__(self) -> "PromptBatcher":
         return self
@@ -115,26 +139,20 @@ class PromptBatcher:
         return next((b for b in self.buckets if b >= length), None)
 
     def __next__(self) -> dict[str, Any]:
-        idx = self._order.next_indices()
-        batch = [self.examples[int(i)] for i in idx]
-        ids = [encode_prompt(self.tokenizer, ex["prompt"], self.use_chat_template) for ex in batch]
-        for i, ex, row in zip(idx, batch, ids):
-            if self.bucket_for(len(row)) is None:
-                raise ValueError(
-                    f"{_describe(int(i), ex)} has {len(row)} tokens, more than the largest "
-                    f"bucket {self.buckets[-1]}"
-                )
+        pos = self._order.next_indices()
+        ids = [self._ids[int(j)] for j in pos]
+        idx = self._kept[pos]
         P = self.bucket_for(max(len(row) for row in ids))
-        tokens_BxP = np.full((len(batch), P), self.tokenizer.pad_token_id, np.int32)
-        mask_BxP = np.zeros((len(batch), P), bool)
+        tokens_BxP = np.full((len(ids), P), self.tokenizer.pad_token_id, np.int32)
+        mask_BxP = np.zeros((len(ids), P), bool)
         for b, row in enumerate(ids):
             tokens_BxP[b, P - len(row) :] = row
             mask_BxP[b, P - len(row) :] = True
         return {
             "prompt_tokens": tokens_BxP,
             "prompt_mask": mask_BxP,
-            "examples": batch,
-            "indices": np.asarray(idx, np.int64),
+            "examples": [self.examples[int(i)] for i in idx],
+            "indices": idx,
         }
 
     def state(self) -> dict[str, Any]:

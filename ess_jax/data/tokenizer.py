@@ -98,25 +98,41 @@ def encode_prompt(
     the tokenizer's own special tokens are added (<bos> for the char tokenizer).
     A character the tokenizer can only map to <unk> is an error, not silent garbage.
     """
+    return encode_prompts(tokenizer, [text], use_chat_template, system_prompt=system_prompt)[0]
+
+
+def encode_prompts(
+    tokenizer: "PreTrainedTokenizerBase",
+    texts: Sequence[str],
+    use_chat_template: bool | None = None,
+    *,
+    system_prompt: str | None = None,
+) -> list[list[int]]:
+    """`encode_prompt` of each text, tokenized in one batched call (a data set's prompts at
+    startup)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if use_chat_template and not has_template:
         raise ValueError("use_chat_template=True but the tokenizer has no chat template")
     if has_template and use_chat_template is not False:
-        messages = [{"role": "user", "content": text}]
-        if system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        system = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        rendered = [
+            tokenizer.apply_chat_template(
+                [*system, {"role": "user", "content": text}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            for text in texts
+        ]
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"] if texts else []
     else:
         if system_prompt is not None:
             raise ValueError("system_prompt needs a chat template")
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"] if texts else []
     unk = tokenizer.unk_token_id
-    if unk is not None and unk in ids:
-        raise ValueError(f"prompt has characters the tokenizer cannot encode: {text!r}")
-    return list(ids)
+    for text, row in zip(texts, ids):
+        if unk is not None and unk in row:
+            raise ValueError(f"prompt has characters the tokenizer cannot encode: {text!r}")
+    return [list(row) for row in ids]
 
 
 def encode_completion(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:

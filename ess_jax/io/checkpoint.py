@@ -33,7 +33,7 @@ from orbax.checkpoint._src.metadata import array_metadata_store  # pinned orbax 
 
 from ess_jax.config.schema import UserError
 from ess_jax.io.checkpoint_tree import check_tree, flat, place_shardings
-from ess_jax.io.orbax_quiet import brief, quiet_late_read_callbacks
+from ess_jax.io.orbax_quiet import brief, os_error, quiet_late_read_callbacks, quiet_save_errors
 from ess_jax.parallel import hosts
 
 COMMIT_MARKER = "commit_success.txt"  # written by orbax just before the final rename
@@ -134,13 +134,19 @@ class Checkpointer:
                 f"step {step} in {self.directory} exists but is not committed (no "
                 f"{COMMIT_MARKER}); remove {self.directory / str(step)} to save it again"
             )
-        saved = self._mngr.save(
-            step,
-            force=force,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state), metadata=ocp.args.JsonSave(metadata)
-            ),
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeSave(state), metadata=ocp.args.JsonSave(metadata)
         )
+        try:
+            with quiet_save_errors():
+                saved = self._mngr.save(step, force=force, args=args)
+                if saved and not self._async:
+                    self._mngr.wait_until_finished()
+        except Exception as e:  # disk full, read-only: an OSError naming the step's directory
+            code = os_error(e)
+            if code is None:
+                raise
+            raise OSError(code, os.strerror(code), str(self.directory / str(step))) from e
         if saved:
             self._pending.add(step)
             if not self._async:
@@ -290,11 +296,14 @@ class Checkpointer:
         self._mngr.reload()
         return f"step {step} moved to {dst}"
 
-    def restore(self, abstract_state, step: int | None = None) -> tuple[int, Any, dict]:
+    def restore(
+        self, abstract_state, step: int | None = None, *, partial: bool = False
+    ) -> tuple[int, Any, dict]:
         """(step, state, metadata) for `step` (default: latest committed).
 
         `abstract_state`: pytree of jax.ShapeDtypeStruct with `.sharding`; arrays come back
-        on those shardings (any mesh). Its tree must match the saved one exactly.
+        on those shardings (any mesh). Its tree must match the saved one exactly, or with
+        `partial` be a part of it (e.g. {"state": {"params": ...}}: only those arrays are read).
         """
         self.wait()
         if step is None:
@@ -321,14 +330,19 @@ class Checkpointer:
             ) from e
         if saved_tree is None:
             raise CheckpointError(f"{where} is truncated or corrupted: no array metadata")
-        check_tree(flat(saved_tree), flat(target), where)
+        saved_flat, target_flat = flat(saved_tree), flat(target)
+        if partial:
+            saved_flat = {p: x for p, x in saved_flat.items() if p in target_flat}
+        check_tree(saved_flat, target_flat, where)
         quiet_late_read_callbacks()
         try:
             restore_args = ocp.checkpoint_utils.construct_restore_args(target)
             out = self._mngr.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
+                    state=ocp.args.PyTreeRestore(
+                        item=target, restore_args=restore_args, partial_restore=partial
+                    ),
                     metadata=ocp.args.JsonRestore(),
                 ),
             )

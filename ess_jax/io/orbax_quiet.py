@@ -1,11 +1,14 @@
 """Orbax's error noise, made readable: the root cause of an orbax / tensorstore error in one
-line (`brief`), and a filter for the harmless echoes a failed restore leaves behind
-(`quiet_late_read_callbacks`). Used by checkpoint.py.
+line (`brief`), the OS error under a failed write (`os_error`), and filters for the harmless
+echoes a failed restore (`quiet_late_read_callbacks`) or a failed save (`quiet_save_errors`)
+leaves behind. Used by checkpoint.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import sys
 
 
@@ -56,3 +59,50 @@ def brief(e: BaseException) -> str:
         e = inner
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+_OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")  # tensorstore's form
+
+
+def os_error(e: BaseException) -> int | None:
+    """The errno under an orbax / tensorstore error (an OSError in the chain, or tensorstore's
+    `[os_error_code='28']`), or None."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        m = _OS_ERROR_CODE.search(str(e))
+        if m:
+            return int(m.group(1))
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return None
+
+
+class _SaveErrorEcho(logging.Filter):
+    """Drops the error records orbax's save threads and asyncio log for one failed write (each
+    thread and each abandoned future logs its own copy, with its traceback)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        text = f"{record.getMessage()} {exc or ''}"
+        echo = exc is not None and os_error(exc) is not None or "os_error_code" in text
+        if echo:
+            logging.getLogger(__name__).debug("orbax save error echo: %s", text[:200])
+        return not echo
+
+
+@contextlib.contextmanager
+def quiet_save_errors():
+    """While an orbax save runs: its threads' and asyncio's echoes of an OS write error (disk
+    full, read-only) are dropped; the caller reports the error itself, in one line."""
+    quiet_late_read_callbacks()  # the save's late tensorstore callbacks: "Event loop is closed"
+    echo = _SaveErrorEcho()
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    for lg in loggers:
+        lg.addFilter(echo)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(echo)

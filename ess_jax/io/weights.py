@@ -310,19 +310,32 @@ def save_hf(
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
+def _hf_tokenizer(path: Path):
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def load_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None):
     """(cfg, params, tokenizer or None) from an HF directory or a .gguf file."""
     path = Path(path)
     if path.is_dir():
         cfg, params = load_hf(path, mesh, dtype)
-        tokenizer = None
-        if any((path / f).is_file() for f in _TOKENIZER_FILES):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return cfg, params, tokenizer
+        return cfg, params, _hf_tokenizer(path)
     if path.suffix == ".gguf":
         return gguf_llama.load_gguf(path, mesh, dtype)
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}")
     raise ValueError(f"{str(path)!r} is neither an HF checkpoint directory nor a .gguf file")
+
+
+def checkpoint_config(path: str | os.PathLike):
+    """(cfg, tokenizer or None) of an HF directory without reading its weights, or of a .gguf
+    file (read whole: its tokenizer is in the same metadata)."""
+    path = Path(path)
+    if path.is_dir():
+        return config_from_hf(_read_config(path)), _hf_tokenizer(path)
+    cfg, _, tokenizer = load_checkpoint(path)
+    return cfg, tokenizer

@@ -12,10 +12,16 @@ process dies, however it dies) on a file naming the holder's pid and host: a sec
 workdir is refused at once with that name, and a lock file left by a killed process is taken
 over with a warning. The processes of one multi-host run share a workdir and one lock, held by
 process 0 (see `claim`).
+
+`write_errors` turns a failed write into the workdir (not a directory, read-only, disk full)
+into one WorkdirError line naming the path and the cause; `check_not_past` refuses a resume
+whose checkpoint is already past `train.steps`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -41,6 +47,7 @@ SAFE_ON_RESUME = (
     "train.checkpoint_every",
     "train.export_hf",
     "train.restore_fallback",
+    "task.cache_dir",  # where the data's tfds build lives, not what it holds
     "eval",
     "mesh",
 )
@@ -236,7 +243,8 @@ def claim(
     lock, error = None, None
     if primary:
         try:
-            lock = WorkdirLock(workdir).acquire()
+            with write_errors(workdir):
+                lock = WorkdirLock(workdir).acquire()
         except Exception as e:  # raised below, once the other processes know
             error = e
     if num_processes > 1 and not _process0_says(error is None) and error is None:
@@ -266,3 +274,54 @@ def write_config(workdir: str, config) -> str:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+# ------------------------------------------------------------------------------ write errors
+
+_WRITE_ERRORS = {  # errno -> what to do about it
+    errno.ENOSPC: "free space on that disk (or use another --workdir), then rerun the same "
+    "command: it resumes from the last checkpoint",
+    errno.EDQUOT: "free space under the quota (or use another --workdir), then rerun the same "
+    "command: it resumes from the last checkpoint",
+    errno.EROFS: "use a --workdir on a writable file system",
+    errno.EACCES: "use a --workdir this user may write",
+    errno.EPERM: "use a --workdir this user may write",
+    errno.ENOTDIR: "a part of that path is a file, not a directory: use another --workdir",
+    errno.EEXIST: "that path is a file, not a directory: use another --workdir",
+}
+
+
+def write_error_message(workdir: str, e: OSError) -> str | None:
+    """One line for an OSError of writing into `workdir`: the path, the cause, what to do;
+    None for other errors and for paths outside the workdir."""
+    hint = _WRITE_ERRORS.get(e.errno)
+    path = os.path.abspath(os.fspath(e.filename)) if e.filename else None
+    if hint is None or (path and os.path.commonpath([path, workdir]) != workdir):
+        return None
+    if e.errno == errno.EEXIST and not os.path.isfile(path or ""):
+        return None
+    cause = e.strerror or os.strerror(e.errno)
+    return f"workdir {workdir}: {path or 'writing its files'}: {cause} [errno {e.errno}]; {hint}"
+
+
+@contextlib.contextmanager
+def write_errors(workdir: str):
+    """OSErrors of writing into `workdir` (see `write_error_message`) raise as WorkdirError."""
+    try:
+        yield
+    except OSError as e:
+        msg = write_error_message(os.path.abspath(workdir), e)
+        if msg is None:
+            raise
+        raise WorkdirError(msg) from e
+
+
+def check_not_past(workdir: str, restored: int | None, steps: int) -> None:
+    """Refuse a resume from a checkpoint past `steps` (train.steps): ending there would save that
+    state under the smaller step."""
+    if restored is not None and restored > steps:
+        raise WorkdirError(
+            f"workdir {workdir}: its checkpoint is at step {restored}, past train.steps={steps}; "
+            f"nothing to do. Set --config.train.steps above {restored} to go on, or use another "
+            "--workdir"
+        )

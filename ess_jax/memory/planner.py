@@ -13,7 +13,8 @@ XLA's for the train step and the sampler on 1 and 8 devices, on shapes not used 
 objective.kl_estimator "full" adds its re-score's logits to the train step (and, with lag 0
 and several updates per batch, the copy of the params it re-scores with).
 
-Not modelled: XLA's workspace and collective buffers on accelerators (the HEADROOM margin),
+Not modelled: XLA's workspace and collective buffers on accelerators (the memory left free by
+`presets.memory_fraction`: 10% by default, and what `ess_jax.main` leaves jax on GPUs),
 host memory, the forward-only scoring pass of the dual anchor / TIS (one micro-batch, smaller
 than the train step). `model.remat` is estimated as block inputs of every layer plus one layer
 recomputed: XLA:CPU realises only part of that saving, so it cannot be checked here.
@@ -27,7 +28,7 @@ import os
 
 from jax.sharding import AbstractMesh, AxisType
 
-from ess_jax.config.presets import GB, HBM, KNOWN_MODELS
+from ess_jax.config.presets import GB, HBM, KNOWN_MODELS, memory_fraction
 from ess_jax.data import char_tokenizer
 from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the API)
     COEF,
@@ -43,8 +44,6 @@ from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the 
 from ess_jax.model import decoder as model_lib
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import experiment
-
-HEADROOM = 0.10  # left free for XLA's workspace, collectives and fragmentation
 
 
 def abstract_mesh(sizes: dict) -> AbstractMesh:
@@ -99,7 +98,7 @@ class Plan:
 
     @property
     def usable(self) -> float:
-        return HBM[self.device] * (1 - HEADROOM)
+        return HBM[self.device] * memory_fraction(self.device)
 
     @property
     def fits(self) -> bool:
@@ -111,10 +110,12 @@ class Plan:
         for phase, terms in self.phases.items():
             out.append(f"phase {phase}: {self.phase_total(phase) / GB:.2f} GB")
             out += [f"  + {k:<22} {v / GB:8.2f} GB" for k, v in terms.items()]
-        verdict = "fits" if self.fits else "DOES NOT FIT"
+        miss = self.peak - self.usable
+        verdict = "fits" if self.fits else f"DOES NOT FIT: {miss / GB:.2f} GB over"
         out.append(
             f"peak {self.peak / GB:.2f} GB per device ({self.peak_phase}) of "
-            f"{self.usable / GB:.1f} GB usable ({HEADROOM:.0%} headroom): {verdict}"
+            f"{self.usable / GB:.1f} GB usable ({memory_fraction(self.device):.0%} of "
+            f"{HBM[self.device] / GB:.0f} GB): {verdict}"
         )
         return out
 

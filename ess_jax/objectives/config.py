@@ -48,10 +48,13 @@ class ObjectiveConfig:
     p3o_drop_cap: bool = False
     # grpo_tis / grpo_mis: behaviour weight w = pi_old / pi_b, token- or sequence-level;
     # TIS multiplies the loss by min(w, is_cap); MIS masks tokens (sequences) with w outside
-    # [is_cap_low, is_cap].
+    # [is_cap_low, is_cap] (verl's rollout_is_threshold_lower defaults to 1 / is_cap).
     is_level: str = "token"
     is_cap: float = 2.0
     is_cap_low: float = 0.0
+    # grpo_tis / grpo_mis: a sequence with any token weight w_t < is_veto gets weight 0; 0 = off
+    # (verl's rollout_is_veto_threshold, 1e-4 in its configs).
+    is_veto: float = 0.0
 
     def __post_init__(self):
         choices = {
@@ -76,6 +79,8 @@ class ObjectiveConfig:
                 f"need 0 <= is_cap_low < is_cap, got is_cap_low={self.is_cap_low}, "
                 f"is_cap={self.is_cap}"
             )
+        if not 0.0 <= self.is_veto < 1.0:
+            raise ValueError(f"need 0 <= is_veto < 1 (0: off), got is_veto={self.is_veto}")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ObjectiveConfig))

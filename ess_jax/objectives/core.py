@@ -4,6 +4,19 @@ combine over micro-batches, and the PPO clip.
 
 An objective is `loss(logp_BxT, batch, config) -> (loss, metrics)` (losses.py); it starts with
 `prepare` and ends with `finish`, so every objective reports the same metrics.
+
+Two numerical guards hold for every objective (docs/method.md, "Numerical edges"):
+- Non-finite log-probs (`kept_mask`): a token of the loss mask whose trainer log-prob, or any
+  log-prob the batch carries for it (LOGP_KEYS), is not finite (-inf from a bf16 / fp8 trainer
+  or a masked vocabulary) is dropped: it adds nothing to the loss, the gradient, the ESS or any
+  metric sum, and per-sequence quantities (lengths, GSPO's sequence ratio, sequence-level IS
+  weights) are over the kept tokens. It still counts in the batch normalisers N and S
+  (`token_counts`, from the loss mask alone): the "step" and "microbatch" scopes must know them
+  before any forward (scopes.py), so they cannot depend on the log-probs. Metric
+  `nonfinite_frac`: the dropped share of N.
+- Ratio overflow (`ratio`): every importance ratio is exp(clip(log ratio, -20, 20)), as verl
+  clamps its log-ratio before exp (`core_algos.compute_policy_loss_vanilla`). Nothing changes
+  for |log ratio| < 20; beyond, the ratio is e^+-20 and its gradient through the clip is 0.
 """
 
 from __future__ import annotations
@@ -21,6 +34,12 @@ Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
 
 STAT_KEYS = ("ess", "ess_prox", "num_tokens", "num_seqs")
+# Log-prob arrays a batch may carry for its tokens: a token whose value in any of them present
+# (or whose trainer log-prob) is not finite is dropped (`kept_mask`).
+LOGP_KEYS = ("behaviour_logp", "prox_logp", "ref_logp")
+# verl's clamp of a log importance ratio before exp (core_algos.compute_policy_loss_vanilla):
+# exp(20) ~ 4.9e8 keeps ratio * advantage and its gradient far from float32 overflow (exp(89)).
+LOG_RATIO_CLAMP = 20.0
 # clipfrac is logged at a fixed [0.8, 1.2] band so every objective is comparable to PPO.
 NOMINAL_CLIP = 0.2
 # The metrics every objective reports (`finish`).
@@ -32,6 +51,7 @@ METRIC_KEYS = (
     "clip_frac",
     "kl_behaviour",
     "entropy_proxy",
+    "nonfinite_frac",
     "loss",
 )
 # How metrics of micro-batches combine (scopes.combine_metrics); all other keys are additive.
@@ -51,8 +71,25 @@ def seq_sum(x_BxT: jax.Array, seq_ids_BxT: jax.Array | None) -> jax.Array:
     return sums[ids].reshape(b, t)
 
 
+def kept_mask(logp_BxT: jax.Array, batch: Batch) -> jax.Array:
+    """The loss mask less the tokens whose trainer log-prob, or whose value in a log-prob array
+    of the batch (LOGP_KEYS present), is not finite: the tokens every sum runs over."""
+    keep = batch["mask"].astype(bool) & jnp.isfinite(logp_BxT)
+    for key in LOGP_KEYS:
+        if key in batch:
+            keep = keep & jnp.isfinite(batch[key])
+    return keep
+
+
+def ratio(log_ratio: jax.Array) -> jax.Array:
+    """An importance ratio exp(log_ratio), its log clamped to [-20, 20] (LOG_RATIO_CLAMP, as
+    verl): identical for |log_ratio| < 20, finite with a zero gradient beyond."""
+    return jnp.exp(jnp.clip(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
 def token_counts(batch: Batch) -> dict[str, jax.Array]:
-    """num_tokens and num_seqs (the loss normalisers) of the arrays given; needs only the mask."""
+    """num_tokens and num_seqs (the loss normalisers) of the arrays given; needs only the mask
+    (tokens with non-finite log-probs count: `kept_mask` drops them from the sums only)."""
     mask = batch["mask"].astype(bool)
     counts = {"num_tokens": jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32)}
     if batch.get("seq_ids") is None:
@@ -65,13 +102,15 @@ def token_counts(batch: Batch) -> dict[str, jax.Array]:
 
 
 def step_statistics(logp_BxT: jax.Array, batch: Batch) -> dict[str, jax.Array]:
-    """ess (vs pi_b), ess_prox (if prox_logp), num_tokens and num_seqs of the arrays given."""
-    mask = batch["mask"].astype(bool)
-    logp = jnp.where(mask, jax.lax.stop_gradient(logp_BxT).astype(jnp.float32), 0.0)
-    stats = {"ess": effective_sample_size(logp - batch["behaviour_logp"], mask)}
+    """ess (vs pi_b), ess_prox (if prox_logp), num_tokens and num_seqs of the arrays given. The
+    ESS values are over the kept tokens (`kept_mask`, as the loss), the counts over the mask."""
+    logp = jax.lax.stop_gradient(logp_BxT).astype(jnp.float32)
+    keep = kept_mask(logp, batch)
+    logp = jnp.where(keep, logp, 0.0)
+    stats = {"ess": effective_sample_size(logp - batch["behaviour_logp"], keep)}
     stats.update(token_counts(batch))
     if "prox_logp" in batch:
-        stats["ess_prox"] = effective_sample_size(logp - batch["prox_logp"], mask)
+        stats["ess_prox"] = effective_sample_size(logp - batch["prox_logp"], keep)
     return stats
 
 
@@ -79,9 +118,10 @@ def step_statistics(logp_BxT: jax.Array, batch: Batch) -> dict[str, jax.Array]:
 
 
 class Context(NamedTuple):
-    """Per-token quantities of a batch, masked (pads 0), as every objective reads them."""
+    """Per-token quantities of a batch, masked (pads and dropped tokens 0), as every objective
+    reads them."""
 
-    mask: jax.Array  # bool
+    mask: jax.Array  # bool: the kept tokens (`kept_mask`: the loss mask less non-finite ones)
     maskf: jax.Array
     logp: jax.Array  # pads zeroed; carries the gradient
     blogp: jax.Array
@@ -89,8 +129,9 @@ class Context(NamedTuple):
     log_ratio: jax.Array  # logp - blogp, 0 on pads; carries the gradient
     rho: jax.Array
     stats: dict[str, jax.Array]
-    loss_w: jax.Array  # per-token aggregation weights (0 on pads)
+    loss_w: jax.Array  # per-token aggregation weights (0 on pads and dropped tokens)
     metric_w: jax.Array  # per-token weights of token-mean metrics: 1 / global num_tokens
+    dropped: jax.Array  # float: tokens of the loss mask that `kept_mask` drops
 
 
 def aux_logp(batch: Batch, key: str, mask: jax.Array, objective: str) -> jax.Array:
@@ -102,16 +143,18 @@ def aux_logp(batch: Batch, key: str, mask: jax.Array, objective: str) -> jax.Arr
 
 def prepare(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> Context:
     """The per-token context of a batch: statistics the caller supplies win over this batch's."""
-    mask = batch["mask"].astype(bool)
+    logp_BxT = logp_BxT.astype(jnp.float32)
+    # Kept tokens: the loss mask less those with a non-finite log-prob (module docstring).
+    mask = kept_mask(logp_BxT, batch)
     maskf = mask.astype(jnp.float32)
-    # Pads may hold anything (0, -inf, garbage): replace them before any arithmetic so neither
-    # the value nor the gradient can meet inf * 0 = nan.
-    logp = jnp.where(mask, logp_BxT.astype(jnp.float32), 0.0)
+    # Pads and dropped tokens may hold anything (0, -inf, garbage): replace them before any
+    # arithmetic so neither the value nor the gradient can meet inf * 0 = nan.
+    logp = jnp.where(mask, logp_BxT, 0.0)
     blogp = aux_logp(batch, "behaviour_logp", mask, config.name)
     adv = aux_logp(batch, "advantages", mask, config.name)
     given = {k: jnp.asarray(batch[k], jnp.float32) for k in STAT_KEYS if k in batch}
     # Statistics not supplied by the caller come from this batch (unused ones are DCE'd by XLA).
-    stats = jax.lax.stop_gradient({**step_statistics(logp, batch), **given})
+    stats = jax.lax.stop_gradient({**step_statistics(logp_BxT, batch), **given})
     n_tok, n_seq = jnp.maximum(stats["num_tokens"], 1.0), jnp.maximum(stats["num_seqs"], 1.0)
     if config.aggregation == "token_mean":
         loss_w = maskf / n_tok
@@ -123,8 +166,19 @@ def prepare(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> Conte
     else:  # Dr.GRPO: a constant (e.g. the max generation length) per sequence
         loss_w = maskf / (n_seq * config.constant_normalizer)
     log_ratio = logp - blogp
+    dropped = batch["mask"].astype(bool) & ~mask
     return Context(
-        mask, maskf, logp, blogp, adv, log_ratio, jnp.exp(log_ratio), stats, loss_w, maskf / n_tok
+        mask,
+        maskf,
+        logp,
+        blogp,
+        adv,
+        log_ratio,
+        ratio(log_ratio),
+        stats,
+        loss_w,
+        maskf / n_tok,
+        dropped.astype(jnp.float32),
     )
 
 
@@ -159,6 +213,7 @@ def finish(
         clip_frac=jnp.sum(c.metric_w * outside),
         kl_behaviour=jnp.sum(c.metric_w * kl_k3(sg(c.logp), c.blogp)),
         entropy_proxy=-jnp.sum(c.metric_w * sg(c.logp)),
+        nonfinite_frac=jnp.sum(c.dropped) / jnp.maximum(c.stats["num_tokens"], 1.0),
         pg_loss=jnp.sum(c.loss_w * sg(pg_BxT)),
         loss=sg(loss),
     )

@@ -10,6 +10,8 @@ gradient) and `batch` holds
   kl_full, rescored_behaviour_logp      [B, T]  (p3o with kl_estimator "full": sampling/rescore.py)
   seq_ids                               [B, T]  int, index in [0, T) of a packed sequence in its row
   ess, ess_prox, num_tokens, num_seqs   scalars (optional step statistics, core.step_statistics)
+Every importance ratio is `core.ratio` (log clamped to [-20, 20], as verl) and every sum runs over
+`core.kept_mask`'s tokens (non-finite log-probs dropped); core.py's docstring says both rules.
 A loss is a SUM over the tokens given divided by normalisers from the step statistics. When the
 normalisers (num_tokens, num_seqs) describe the whole optimizer batch, the losses, gradients and
 additive metrics of micro-batches add up to the batch's; scopes.py relies on this to apply
@@ -29,6 +31,7 @@ from ess_jax.objectives.core import (
     finish,
     ppo_clip,
     prepare,
+    ratio,
     seq_sum,
 )
 from ess_jax.objectives.kl import get_kl_estimator
@@ -112,7 +115,7 @@ def _gspo(logp_BxT, batch, config, token_level: bool):
     if token_level:  # s_i,t = sg(s_i) * pi / sg(pi): per-token advantages allowed
         sg = jax.lax.stop_gradient
         seq_log_ratio = sg(seq_log_ratio) + c.logp - sg(c.logp)
-    pg, capped = ppo_clip(jnp.exp(seq_log_ratio), c.adv, config)
+    pg, capped = ppo_clip(ratio(seq_log_ratio), c.adv, config)
     return finish(c, batch, config, pg, pg, capped)
 
 
@@ -135,12 +138,12 @@ def decoupled_ppo(
     """-w min(r A, clip(r) A), r = pi / pi_prox, w = pi_prox / pi_b (capped if configured)."""
     c = prepare(logp_BxT, batch, config)
     prox = aux_logp(batch, "prox_logp", c.mask, config.name)
-    weight = jnp.exp(prox - c.blogp)
+    weight = ratio(prox - c.blogp)
     weight_capped = jnp.zeros_like(c.mask)
     if config.behaviour_weight_cap is not None:
         weight_capped = weight > config.behaviour_weight_cap
         weight = jnp.minimum(weight, config.behaviour_weight_cap)
-    clip_loss, capped = ppo_clip(jnp.exp(c.logp - prox), c.adv, config)
+    clip_loss, capped = ppo_clip(ratio(c.logp - prox), c.adv, config)
     pg = weight * clip_loss
     extras = {
         "ess_prox": c.stats["ess_prox"],
@@ -154,12 +157,16 @@ def _truncated_is(logp_BxT, batch, config, masked: bool):
     """GRPO's clip against pi_old (the trainer's re-score before the first update, batch
     "prox_logp") times the stop-gradient behaviour weight w = pi_old / pi_b: truncated at
     is_cap (TIS) or masked outside [is_cap_low, is_cap] (MIS); per token or per sequence
-    (w = prod_t over the sequence, computed in log space)."""
+    (w = prod_t over the sequence, computed in log space). With is_veto > 0 a sequence any of
+    whose tokens has w_t < is_veto gets weight 0, per token whatever is_level (verl's
+    rollout_is_veto_threshold, applied in both modes). Masked and vetoed tokens keep their
+    place in N."""
     c = prepare(logp_BxT, batch, config)
     old = aux_logp(batch, "prox_logp", c.mask, config.name)
-    log_w = (old - c.blogp) * c.maskf
+    log_w_token = (old - c.blogp) * c.maskf
+    log_w = log_w_token
     if config.is_level == "sequence":
-        log_w = seq_sum(log_w, batch.get("seq_ids"))
+        log_w = seq_sum(log_w_token, batch.get("seq_ids"))
     log_cap = jnp.log(config.is_cap)
     if masked:
         low = jnp.log(config.is_cap_low) if config.is_cap_low > 0 else -jnp.inf
@@ -168,8 +175,13 @@ def _truncated_is(logp_BxT, batch, config, masked: bool):
     else:
         outside = log_w > log_cap
         weight = jnp.exp(jnp.minimum(log_w, log_cap))
+    if config.is_veto > 0:
+        below = ((log_w_token < jnp.log(config.is_veto)) & c.mask).astype(jnp.float32)
+        vetoed = seq_sum(below, batch.get("seq_ids")) > 0
+        outside = outside | vetoed
+        weight = jnp.where(vetoed, 0.0, weight)
     weight = jax.lax.stop_gradient(jnp.where(c.mask, weight, 0.0))
-    clip_loss, capped = ppo_clip(jnp.exp(c.logp - old), c.adv, config)
+    clip_loss, capped = ppo_clip(ratio(c.logp - old), c.adv, config)
     pg = weight * clip_loss
     extras = {
         "ess_prox": c.stats["ess_prox"],
@@ -189,7 +201,9 @@ def grpo_tis(
 def grpo_mis(
     logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
 ) -> tuple[jax.Array, Metrics]:
-    """GRPO with masked importance sampling: tokens (sequences) whose w leaves the band drop out."""
+    """GRPO with masked importance sampling: tokens (sequences) whose w leaves the band drop out.
+    Defaults keep [0, is_cap] and no veto; verl's are [1 / is_cap, is_cap] and (in its
+    configs) a 1e-4 sequence veto: `is_cap_low=0.5, is_veto=1e-4` at is_cap 2."""
     return _truncated_is(logp_BxT, batch, config, masked=True)
 
 

@@ -60,7 +60,7 @@ def _records(*objectives: Objective) -> dict[str, Objective]:
     return {o.name: o for o in objectives}
 
 
-_IS = ("is_level", "is_cap")
+_IS = ("is_level", "is_cap", "is_veto")
 OBJECTIVES: dict[str, Objective] = _records(
     Objective(
         "p3o",

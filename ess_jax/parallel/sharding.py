@@ -36,13 +36,43 @@ TRAIN_RULES: dict[str, Any] = {
 SAMPLE_RULES: dict[str, Any] = {**TRAIN_RULES, "embed": None}
 
 
+def detected_cluster() -> tuple[str, int] | None:
+    """(name, process count) of the cluster environment jax's own auto-detection finds first,
+    or None. jax 0.10's `jax._src.clusters` knows Open MPI (OMPI_MCA_orte_hnp_uri), SLURM job
+    steps (srun: SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID),
+    Cloud TPU VMs (TPU chips on the PCI bus, then GKE's TPU_WORKER_HOSTNAMES /
+    TPU_PROCESS_ADDRESSES or the GCE metadata server's worker list) and Kubernetes (with the
+    `kubernetes` package); mpi4py only on request, so not here. A detector's warnings (Kubernetes
+    without that package) are silenced; one that fails to count its processes is logged and
+    counts as no cluster."""
+    import warnings
+
+    from jax._src import clusters  # private: jax.distributed.initialize() runs these same tests
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for env in clusters.ClusterEnv._cluster_types:
+            if env.opt_in_only_method:
+                continue
+            try:
+                if env.is_env_present():
+                    return env.__name__, int(env.get_process_count())
+            except Exception as e:  # a metadata server or API that does not answer
+                logging.warning("%s detected, but its process count is unknown: %s", env, e)
+                return None
+    return None
+
+
 def maybe_initialize_distributed() -> None:
     """Multi-host init (TPU pods, GPU clusters) when the environment asks for it. Call it before
     anything that touches devices (jax refuses to initialise after `jax.devices()`).
 
-    TPU pods and SLURM/Open MPI jobs are auto-detected by jax; for other launchers set
-    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (tests/test_multihost.py runs
-    two CPU processes this way; their collectives go through gloo, jax's CPU default).
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, when set, say it explicitly
+    (tests/test_multihost.py runs two CPU processes this way; their collectives go through gloo,
+    jax's CPU default). Otherwise jax's own cluster detection (`detected_cluster`) decides: a
+    cluster of more than one process initialises; one process (a single-host TPU VM, an srun
+    of one task) does not, so that it keeps every local device. ESS_JAX_NO_DISTRIBUTED=1 turns
+    the detection off.
     """
     if jax.distributed.is_initialized():
         return
@@ -52,9 +82,13 @@ def maybe_initialize_distributed() -> None:
             num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
             process_id=int(os.environ["JAX_PROCESS_ID"]),
         )
-    elif any(k in os.environ for k in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_ID")):
-        if os.environ.get("ESS_JAX_NO_DISTRIBUTED") != "1":
-            jax.distributed.initialize()
+        return
+    if os.environ.get("ESS_JAX_NO_DISTRIBUTED") == "1":
+        return
+    found = detected_cluster()
+    if found is not None and found[1] > 1:
+        logging.info("jax.distributed: %s with %d processes", *found)
+        jax.distributed.initialize()
 
 
 def mesh_shape(shape: Mapping[str, int] | Sequence[int] | None, num_devices: int) -> dict:

@@ -6,6 +6,7 @@ with a message naming the field, not after minutes of XLA compilation.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -14,7 +15,14 @@ import jax
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
 from ess_jax.config.schema import check, fail
-from ess_jax.data import char_tokenizer, get_task, load_dataset
+from ess_jax.data import (
+    CacheDirError,
+    PromptBatcher,
+    PromptTooLongError,
+    char_tokenizer,
+    get_task,
+    load_dataset,
+)
 from ess_jax.model import decoder as model_lib
 from ess_jax.parallel import sharding as sharding_lib
 
@@ -169,14 +177,60 @@ def load_examples(tcfg) -> tuple[list[dict], list[dict]]:
         train = task.examples("train", tcfg.num_train or None)
         test = task.examples("test", tcfg.num_test or None)
     else:
-        train = list(load_dataset(tcfg.name, tcfg.manual_dir, "train"))
-        test = list(load_dataset(tcfg.name, tcfg.manual_dir, tcfg.test_split))
+        cache = tcfg.get("cache_dir") or None
+        try:
+            train = list(load_dataset(tcfg.name, tcfg.manual_dir, "train", data_dir=cache))
+            test = list(load_dataset(tcfg.name, tcfg.manual_dir, tcfg.test_split, data_dir=cache))
+        except CacheDirError as e:
+            fail("task.cache_dir", str(e))
         train, test = train[: tcfg.num_train or None], test[: tcfg.num_test or None]
     if not train:
         fail("task", f"{tcfg.name}: the train split is empty")
     if not test:
         fail("task", f"{tcfg.name}: the held-out split is empty")
     return train, test
+
+
+def _fit_buckets(config, examples, tokenizer, split: str, batch_size: int, **kw) -> PromptBatcher:
+    drop = bool(config.data.get("drop_long_prompts", False))
+    try:
+        b = PromptBatcher(
+            examples, tokenizer, batch_size, tuple(config.data.buckets), drop_long=drop, **kw
+        )
+    except PromptTooLongError as e:
+        how = "" if drop else ", or set data.drop_long_prompts=True to leave such prompts out"
+        fail("data.buckets", f"{split} prompts: {e}; add a wider bucket{how}")
+    except ValueError as e:
+        fail("data.prompts_per_step", f"{split} prompts: {e}")
+    if b.dropped:
+        longest = max(config.data.buckets)
+        logging.warning(
+            f"data.drop_long_prompts: left out {len(b.dropped)} of {len(examples)} {split} "
+            f"prompts longer than the largest bucket ({longest} tokens)"
+        )
+    return b
+
+
+def train_batcher(config, examples, tokenizer) -> PromptBatcher:
+    """The RL prompt stream. Every prompt is tokenized here, before any work: one longer than
+    the largest `data.buckets` width is a ConfigError naming it, or with
+    `data.drop_long_prompts` it is left out (a warning counts them)."""
+    n = config.data.prompts_per_step
+    return _fit_buckets(config, examples, tokenizer, "train", n, seed=config.seed)
+
+
+def heldout_examples(config, examples, tokenizer) -> list[dict]:
+    """The held-out examples, checked against `data.buckets` as `train_batcher` checks the
+    train ones: those eval uses (the first `eval.num_examples`), or with
+    `data.drop_long_prompts` every one, the long ones left out. No eval: unchecked."""
+    if not config.eval.every:
+        return examples
+    if not config.data.get("drop_long_prompts", False):
+        used = examples[: config.eval.num_examples or None]
+        _fit_buckets(config, used, tokenizer, "held-out", 1, shuffle=False)
+        return examples
+    dropped = set(_fit_buckets(config, examples, tokenizer, "held-out", 1, shuffle=False).dropped)
+    return [ex for i, ex in enumerate(examples) if i not in dropped]
 
 
 def stop_ids(config, tokenizer) -> tuple[int, ...]:

@@ -1,14 +1,28 @@
-"""Run outputs: metrics.jsonl, TensorBoard events, the progress line and the PNG curves."""
+"""Run outputs: metrics.jsonl, TensorBoard events, the progress line and the PNG curves.
+
+A run stopped mid-row (killed, disk full) leaves metrics.jsonl's last line cut: readers leave it
+out with a warning, and a resume moves its bytes to metrics.jsonl.torn before it writes on. A
+line before the last that does not parse is damage: MetricsError names the file and the line.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from ess_jax.config.schema import UserError
+
+TORN_SUFFIX = ".torn"  # where a resume keeps a cut last line's bytes
+
+
+class MetricsError(UserError, ValueError):
+    """A metrics.jsonl line before the last that is not a JSON row."""
 
 
 def _py(v: Any) -> Any:
@@ -47,8 +61,19 @@ class MetricsWriter:
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
     def truncate_from(self, step: int) -> None:
-        """Drop rows of step >= `step` (a resumed run rewrites them identically)."""
-        rows = [r for r in read_metrics(self.path) if r.get("step", -1) < step]
+        """Drop rows of step >= `step` (a resumed run rewrites them identically); a cut last
+        line goes to metrics.jsonl.torn (appended), never lost."""
+        rows, torn = _parse(self.path)
+        if torn is not None:
+            with open(self.path + TORN_SUFFIX, "ab") as f:
+                f.write(torn + b"\n")
+            logging.warning(
+                "%s: its last line is cut (%d bytes: a run stopped mid-row); moved to %s",
+                self.path,
+                len(torn),
+                self.path + TORN_SUFFIX,
+            )
+        rows = [r for r in rows if r.get("step", -1) < step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             for r in rows:
@@ -59,8 +84,11 @@ class MetricsWriter:
         if not self.active:
             return
         row = {k: _py(v) for k, v in row.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:  # a failed write() names no file
+            raise OSError(e.errno, e.strerror, e.filename or self.path) from e
         if self._tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -73,12 +101,34 @@ class MetricsWriter:
 
 
 def read_metrics(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl, or of a workdir's; a cut last line is left out (a warning)."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
+    rows, torn = _parse(path)
+    if torn is not None:
+        logging.warning("%s: its last line is cut (a run stopped mid-row); left out", path)
+    return rows
+
+
+def _parse(path: str) -> tuple[list[dict], bytes | None]:
+    """(rows, the cut last line's bytes or None). MetricsError for a bad line before the last."""
     if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [], None
+    with open(path, "rb") as f:
+        lines = [(i, line) for i, line in enumerate(f.read().split(b"\n"), 1) if line.strip()]
+    rows = []
+    for n, (i, line) in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except ValueError as e:
+            if n == len(lines):
+                return rows, line
+            why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else e
+            raise MetricsError(
+                f"{path} line {i} is not a JSON row ({why}); only a cut last line is an "
+                "interrupted write: fix or remove that line"
+            ) from e
+    return rows, None
 
 
 def progress_postfix(row: Mapping[str, Any]) -> str:

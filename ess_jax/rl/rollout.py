@@ -186,11 +186,14 @@ def collect(
         policy_version=version.astype(np.int32),
         prompt_len=int(prompts.shape[1]),
     )
+    grouped = rewards.reshape(-1, group)  # [B / G, G]
     metrics = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),
         "response_len": float(lengths.mean()),
-        "frac_groups_solved": float((rewards.reshape(-1, group).max(-1) > 0).mean()),
+        "frac_groups_solved": float((grouped.max(-1) > 0).mean()),
+        # groups whose rewards are all equal: their advantages are 0 (no reward signal)
+        "frac_groups_constant": float((grouped.max(-1) == grouped.min(-1)).mean()),
     }
     return rollout, metrics
 

@@ -11,10 +11,12 @@ re-scores pi_b's whole distribution, from behaviour params the step takes as an 
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -46,9 +48,11 @@ def init_state(params, tx, mesh) -> tuple[TrainState, TrainState]:
         transform_non_params=lambda _: rep,
     )
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
-    state = TrainState(
-        params, opt_state, jax.device_put(jnp.int32(0), rep), jax.device_put(jnp.int32(0), rep)
-    )
+    # Counters from host zeros: jax.device_put of a device array (jnp.int32(0)) onto a mesh of
+    # several processes with one device each gives an array whose shard lists both devices,
+    # which orbax's save then refuses ("input arrays must have one shard each").
+    zero = lambda: sharding_lib.put_host_array(np.zeros((), np.int32), rep)  # noqa: E731
+    state = TrainState(params, opt_state, zero(), zero())
     return state, jax.tree.map(lambda x: x.sharding, state)
 
 
@@ -127,17 +131,24 @@ def make_rl_step(
     state_sh,
     batch_sh,
     full: FullKL | None = None,
+    seed: int = 0,
 ):
     """One optimizer update on a rollout (mini-)batch with the configured objective.
 
     With `full` (objective.kl_estimator "full") the step takes a third argument, `full.params`,
     the behaviour params that pi_b's whole distribution is re-scored with; without "policy"
-    among them, pi_b is the current policy (the params the sampler held: lag 0, one update)."""
+    among them, pi_b is the current policy (the params the sampler held: lag 0, one update).
+    In the micro-batch ESS scopes with several micro-batches the rows are shuffled within each
+    device's block before the split (`scopes.shuffle_rows`), by a permutation drawn from `seed`
+    and the update count `state.step`: fixed per update, so a rerun or a resume repeats it."""
     entropy = objective_cfg.beta_ent != 0
+    shuffled = objective_cfg.ess_scope in scopes.SHUFFLED_SCOPES and num_microbatches > 1
+    row_blocks = math.prod(batch_sh.mesh.shape[a] for a in sharding_lib.BATCH)
 
     def update(state, batch, logp_fn):
+        key = jax.random.fold_in(jax.random.key(seed), state.step) if shuffled else None
         loss, grads, metrics = scopes.step_loss_and_grad(
-            logp_fn, state.params, batch, objective_cfg, num_microbatches
+            logp_fn, state.params, batch, objective_cfg, num_microbatches, key, row_blocks
         )
         state, grad_norm, ok = _apply_update(state, tx, loss, grads)
         return state, {**metrics, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}

@@ -18,15 +18,16 @@ from tqdm import tqdm
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
 from ess_jax.config.schema import UserError
-from ess_jax.data import PromptBatcher, sft_batches
+from ess_jax.data import sft_batches
 from ess_jax.data.noise import corrupt_demonstrations
 from ess_jax.io import workdir as workdir_lib
 from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.model import decoder as model_lib
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import dynamic_sampling, experiment, steps
+from ess_jax.rl import dynamic_sampling, experiment, preemption, steps
 from ess_jax.rl import heldout as eval_lib
 from ess_jax.rl import rollout as rollout_lib
+from ess_jax.rl.health import HealthWatch, report
 from ess_jax.rl.metrics import MetricsWriter, eval_summary, plot_run, progress_postfix
 from ess_jax.rl.optim import learning_rate_schedule, make_optimizer
 
@@ -72,7 +73,10 @@ class Run:
         self.model_cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
         self.stop_ids = experiment.stop_ids(config, self.tokenizer)
         self.rollout_cfg = _with_stop_ids(config.rollout, self.stop_ids)
-        self.train_examples, self.test_examples = experiment.load_examples(config.task)
+        self.train_examples, test = experiment.load_examples(config.task)
+        # every prompt tokenized and checked against data.buckets before any work
+        self.batcher = experiment.train_batcher(config, self.train_examples, self.tokenizer)
+        self.test_examples = experiment.heldout_examples(config, test, self.tokenizer)
         self.reward_fn = rewards_lib.get_reward(config.task.reward)
         self.sample_sh = model_lib.param_shardings(self.model_cfg, self.mesh, "sample")
         self.objective_cfg = obj_lib.objective_config(config.objective.to_dict())
@@ -83,13 +87,6 @@ class Run:
         self.tx = make_optimizer(optim_cfg)
         self.lr_schedule = learning_rate_schedule(optim_cfg)
         self.state, self.state_sh = steps.init_state(params, self.tx, self.mesh)
-        self.batcher = PromptBatcher(
-            self.train_examples,
-            self.tokenizer,
-            config.data.prompts_per_step,
-            buckets=tuple(config.data.buckets),
-            seed=config.seed,
-        )
         self.history = rollout_lib.ParamHistory(config.rollout.lag)
         self.external = None
         if config.rollout.external_fraction > 0:
@@ -220,14 +217,13 @@ class Run:
         return path
 
     def save_on_interrupt(self, step: int) -> None:
-        """Ctrl-C: save what can be saved without losing or corrupting anything.
+        """Ctrl-C or SIGTERM: save what can be saved without losing or corrupting anything.
 
-        Before the step's first update (the common case: sampling takes most of a step) the
-        state is the step's start state: rewind the data iterator and the resume is exact.
-        After it, the update has donated buffers the policy history may share (lag 0, same
-        layouts): save the updated state as step + 1 (that step's metrics row is not written).
-        During it, the old state is gone: keep the last periodic checkpoint.
-        """
+        Between steps the state is the newest policy version's. Before the step's first update
+        (sampling takes most of a step) it is the step's start state: rewind the data iterator
+        and the resume is exact. After it, the update has donated buffers the policy history
+        may share (lag 0, same layouts): save the updated state as step + 1 (that step's row is
+        not written). During it, the old state is gone: keep the last periodic checkpoint."""
         started = self._step_start
         leaves = jax.tree.leaves(self.state)
         if any(x.is_deleted() for x in leaves):
@@ -236,10 +232,12 @@ class Run:
                 self.ckpt.latest_step(),
             )
             return
-        if started is not None and int(self.state.step) != started[1]:
+        if started is None:
+            step = self.history.state()[-1][0]
+        elif int(self.state.step) != started[1]:
             step += 1
             self.history.push(step, jax.tree.map(jnp.copy, self.state.params))
-        elif started is not None:
+        else:
             self.batcher.restore(started[0])
         logging.warning("interrupted: saving a checkpoint at step %d", step)
         self.save(step, force=True)
@@ -250,15 +248,16 @@ class Run:
         self._step_start = (self.batcher.state(), int(self.state.step))
         version, params_b = self.history.behaviour()
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
-        rollout, metrics = dynamic_sampling.collect_batch(
-            rollout_lib.PolicySource(self.model_cfg, params_b, version),
-            self.batcher,
-            self.tokenizer,
-            self.reward_fn,
-            self.rollout_cfg,
-            rng,
-            external=self.external,
-        )
+        with preemption.interruptible():  # SIGTERM: the step is redone from its start state
+            rollout, metrics = dynamic_sampling.collect_batch(
+                rollout_lib.PolicySource(self.model_cfg, params_b, version),
+                self.batcher,
+                self.tokenizer,
+                self.reward_fn,
+                self.rollout_cfg,
+                rng,
+                external=self.external,
+            )
         t_sample = time.perf_counter() - t0
         n_upd = t.updates_per_batch
         per = rollout.num_sequences // n_upd
@@ -283,6 +282,7 @@ class Run:
                 self.state_sh,
                 sharding_lib.batch_sharding(self.mesh),
                 full,
+                seed=self.config.seed,
             )
         step_fn = self._rl_steps[key]
         upd_metrics = []
@@ -314,20 +314,23 @@ class Run:
         return row
 
     def _eval(self, writer, step: int) -> None:
-        row = {"step": step, **self.evaluate(step)}
+        with preemption.interruptible():
+            row = {"step": step, **self.evaluate(step)}
         writer.write(row)
         if writer.active:
             tqdm.write(eval_summary(row))
 
     def run(self) -> str:
         try:
-            return self._run()
+            with preemption.on_sigterm(), workdir_lib.write_errors(self.workdir):
+                return self._run()
         finally:
             self.close()
 
     def _run(self) -> str:
         t = self.config.train
         start = self.try_restore()
+        workdir_lib.check_not_past(self.workdir, start, t.steps)
         if jax.process_index() == 0:
             workdir_lib.write_config(self.workdir, self.config)
         # process 0 writes the shared workdir's files; the other processes' rows are the same
@@ -342,7 +345,7 @@ class Run:
         if not self.history.state():
             self.history.push(0, self.state.params)
             self.save(0, force=True)  # the SFT warm start is never redone after a crash
-        step = start
+        step, health = start, HealthWatch(self.model_cfg.vocab_size)
         bar = tqdm(
             range(start, t.steps),
             desc="rl",
@@ -357,9 +360,11 @@ class Run:
                     self._eval(writer, step)
                 row = self.rl_step(step)
                 writer.write(row)
+                report(health.update(row))
                 bar.set_postfix_str(progress_postfix(row))
                 if (step + 1) % t.checkpoint_every == 0:
                     self.save(step + 1)
+                preemption.check()  # a SIGTERM held during the step stops here
             step = t.steps
             if self.config.eval.every:
                 self._eval(writer, step)

@@ -4,15 +4,17 @@ held-out evaluation) as tfds array_record builders.
     ds = load_dataset("gsm8k", "/data/gsm8k", "train")   # builds once, then reuses
     ds[0] -> {"prompt", "answer", "demonstration", "task", "source", <dataset fields>}
 
-The build goes to `data_dir` (default: <manual_dir>/_tfds), in a subfolder keyed by
-a fingerprint of the input files and options, so editing a file triggers a rebuild
-and nothing is ever written to ~/tensorflow_datasets.
+The build goes to `data_dir` (default: <manual_dir>/_tfds; `task.cache_dir` in a run's config),
+in a subfolder keyed by a fingerprint of the input files and options, so editing a file triggers
+a rebuild and nothing is ever written to ~/tensorflow_datasets. A build that is needed where
+nothing can be written is a `CacheDirError` naming the place; an existing build is only read.
 """
 
 import hashlib
 import importlib
 import json
 import os
+import tempfile
 from collections.abc import Iterator, Sequence
 
 from ess_jax.data.datasets.records import MAX_RECORD_CHARS, RecordError, find_split_files
@@ -39,6 +41,22 @@ PROMPT_TEMPLATES: dict[str, str] = {
     "math": "{problem}" + _BOXED_INSTRUCTION,
     **{name: "{problem}" + _BOXED_INSTRUCTION for name in ("aime24", "aime25", "amc23", "math500")},
 }
+
+
+class CacheDirError(OSError):
+    """The tfds build of a data set is needed where nothing can be written."""
+
+
+def _check_writable(root: str, name: str, manual_dir: str) -> None:
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        raise CacheDirError(
+            f"cannot write the tfds build of {name} ({manual_dir}) to {root}: "
+            f"{e.strerror or e}; point the cache at a writable directory"
+        ) from e
 
 
 def _fill(template: str, fields: dict[str, str]) -> str:
@@ -113,6 +131,8 @@ def load_dataset(
 
     Malformed, empty or oversized records raise a ValueError naming file and record.
     `prompt_template` ({question} / {problem} placeholders) defaults to PROMPT_TEMPLATES.
+    The build goes under `data_dir` (default <manual_dir>/_tfds); a CacheDirError if it is
+    needed there and the place is not writable.
     """
     import tensorflow_datasets as tfds
 
@@ -131,6 +151,8 @@ def load_dataset(
         split_files=split_files,
         max_record_chars=max_record_chars,
     )
+    if not builder.data_path.exists():
+        _check_writable(root, name, manual_dir)
     builder.download_and_prepare(
         download_config=tfds.download.DownloadConfig(manual_dir=manual_dir)
     )
@@ -140,6 +162,7 @@ def load_dataset(
 
 __all__ = [
     "BUILDERS",
+    "CacheDirError",
     "PROMPT_TEMPLATES",
     "LocalDataset",
     "RecordError",

@@ -1,0 +1,160 @@
+"""SIGTERM, what a TPU VM or SLURM sends before preemption: a checkpoint, then exit 143, and a
+resume that reproduces the uninterrupted run (`ess_jax/rl/preemption.py`).
+
+The end-to-end test runs `python -m ess_jax.main` in subprocesses sharing one persistent
+compilation cache: the first compiles, the others load.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import pytest
+
+from ess_jax.io.checkpoint import Checkpointer
+from ess_jax.rl import preemption
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the brief's command: the quickstart's tiny config, no eval, a checkpoint every 2 steps
+RUN = {
+    "sft.steps": 0,
+    "eval.every": 0,
+    "train.checkpoint_every": 2,
+    "data.prompts_per_step": 2,
+    "rollout.group_size": 4,
+    "rollout.max_new_tokens": 4,
+    "train.steps": 16,
+}
+STEPS = RUN["train.steps"]
+TIMING = ("tokens_per_s", "sample_s", "step_s")
+
+
+def _env(cache):
+    env = {k: v for k, v in os.environ.items() if k not in ("ESS_JAX_VERBOSE", "XLA_FLAGS")}
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+    )
+    return env
+
+
+# python -m ess_jax.main whose sampling takes 0.3 s more per step, so that a SIGTERM sent once
+# a few rows are written lands mid-run, not after its end
+SLOW_MAIN = """
+import time
+from absl import app
+from ess_jax import main
+from ess_jax.rl import rollout
+collect = rollout.collect
+rollout.collect = lambda *a, **k: (time.sleep(0.3), collect(*a, **k))[1]
+app.run(main.main, flags_parser=main._parse_flags)
+"""
+
+
+def _start(workdir, cache, slow=False):
+    """The run on `workdir`, its stderr (progress bars, warnings, the last line) in
+    `<workdir>.err`."""
+    args = [f"--config.{k}={v}" for k, v in RUN.items()]
+    entry = ["-c", SLOW_MAIN] if slow else ["-m", "ess_jax.main"]
+    with open(f"{workdir}.err", "a") as err:
+        return subprocess.Popen(
+            [sys.executable, *entry, "--config=configs/quickstart.py:tiny", *args]
+            + [f"--workdir={workdir}"],
+            cwd=ROOT,
+            env=_env(cache),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
+def _err(workdir) -> str:
+    """The run's stderr, progress bars left out."""
+    with open(f"{workdir}.err") as f:
+        lines = f.read().replace("\r", "\n").splitlines()
+    return "\n".join(ln for ln in lines if ln.strip() and not ln.startswith("rl:"))
+
+
+def _rows(workdir):
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines(keepends=True)
+    return [json.loads(line) for line in lines if line.endswith("\n")]
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_sigterm_checkpoints_exits_143_and_the_resume_is_exact(tmp_path):
+    """Catches SIGTERM killing the run at once (rc 143 with no checkpoint past the last periodic
+    one, as before the handler), a checkpoint that loses or repeats a step (the saved step must
+    equal the rows written, and the resumed rows must equal an uninterrupted run's, timing
+    aside), and an exit that is not one `stopped:` line with 143."""
+    cache, cut, full = tmp_path / "jax_cache", tmp_path / "cut", tmp_path / "full"
+    p = _start(cut, cache, slow=True)  # compiles; the later runs load from the cache
+    try:
+        deadline = time.monotonic() + 300
+        while len(_rows(cut)) < 3:
+            assert p.poll() is None and time.monotonic() < deadline, _err(cut)
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == preemption.EXIT_CODE == 143, (p.returncode, _err(cut))
+    assert _err(cut).strip().splitlines()[-1] == (
+        "stopped: SIGTERM: the checkpoint is written; rerun the same command to resume"
+    ), _err(cut)
+    saved = Checkpointer(str(cut / "checkpoints")).latest_step()
+    assert saved == len(_rows(cut)) and 3 <= saved < STEPS, saved  # no step lost or repeated
+    assert not (cut / "lock").exists()
+
+    resumed, ref = _start(cut, cache), _start(full, cache)  # ref: uninterrupted
+    try:
+        assert resumed.wait(timeout=300) == 0, _err(cut)
+        assert ref.wait(timeout=300) == 0, _err(full)
+    finally:
+        resumed.kill()
+        ref.kill()
+    assert len(_rows(full)) == STEPS
+    assert _strip(_rows(cut)) == _strip(_rows(full))
+
+
+def _small(s):
+    return {"w": jnp.full((4, 2), float(s)), "step": jnp.int32(s)}
+
+
+def test_sigterm_is_held_through_a_checkpoint_save_and_raised_at_the_step_end(tmp_path):
+    """Catches a SIGTERM that stops a checkpoint save halfway (the step never commits; here the
+    signal lands as the save starts): outside `interruptible()` it must be held, the save
+    complete, and `check()` raise Preempted; inside `interruptible()` it raises at once; the
+    previous handler is back afterwards."""
+    ckpt = Checkpointer(str(tmp_path), keep=None)
+    real_save = ckpt._mngr.save
+
+    def save_hit_by_sigterm(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(*args, **kwargs)
+
+    ckpt._mngr.save = save_hit_by_sigterm
+    before = signal.getsignal(signal.SIGTERM)
+    with preemption.on_sigterm():
+        try:  # a KeyboardInterrupt escaping a test would stop the whole session
+            assert ckpt.save(1, _small(1), {"s": 1})
+        except preemption.Preempted:
+            pytest.fail("the SIGTERM stopped the save")
+        assert ckpt.all_steps() == [1]  # committed, despite the signal
+        with pytest.raises(preemption.Preempted):
+            preemption.check()
+        preemption.check()  # raised once
+        with pytest.raises(preemption.Preempted), preemption.interruptible():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # not reached: the handler raises first
+    assert signal.getsignal(signal.SIGTERM) is before
+    ckpt.close()
