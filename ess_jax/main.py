@@ -18,7 +18,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from ess_jax.config import presets
+from ess_jax.config import names, presets
 from ess_jax.config import schema as config_checks  # no jax: a bad config fails before jax
 from ess_jax.config.schema import UserError
 
@@ -57,7 +57,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     except Exception as e:  # flags.Error, or ml_collections' KeyError for an unknown field
         if _verbose(argv):
             raise
-        _exit(config_checks.explain_flag_error(argv, e))
+        _exit(names.explain_flag_error(argv, e))
 
 
 def _config():

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from configs import quickstart
+from ess_jax.config import names
 from ess_jax.config import schema as config_checks
 from ess_jax.config.defaults import base_config
 from ess_jax.config.schema import ConfigError
@@ -168,7 +169,7 @@ def test_config_files_pass_the_checks_given_their_required_fields(mod, arm):
     """The checks must not refuse a shipped config (configs/ and configs/mini/, every arm);
     fields left to the command line (placeholders) are refused until given."""
     c = mod.get_config(arm)
-    required = [p for p, v in config_checks.leaves(c.to_dict()) if v is None]
+    required = [p for p, v in names.leaves(c.to_dict()) if v is None]
     required = [p for p in required if p not in config_checks.DOMAINS]  # not the optional
     if required:
         with pytest.raises(ConfigError, match=rf"config\.{re.escape(required[0])}: required"):

@@ -161,7 +161,7 @@ def test_a_name_from_another_framework_suggests_the_field_it_means(typed, meant)
     """Catches `--config.optim.learning_rate` suggesting optim.weight_decay (the closest
     spelling): a common name from TRL / verl / HF Trainer suggests the field it means, in the
     section typed when that section has one (sft.learning_rate -> sft.lr)."""
-    assert config_checks.unknown_field(base_config(), typed) == (
+    assert names.unknown_field(base_config(), typed) == (
         f"config.{typed}: no such field; did you mean {meant}?"
     )
 

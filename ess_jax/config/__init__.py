@@ -1,8 +1,10 @@
 """The experiment config: its defaults (defaults.py), the schema every field is checked against
-before jax is imported (schema.py), and the hardware presets and known model shapes the paper
+before jax is imported (schema.py), field names and the "did you mean" for a name that is none
+(names.py), and the hardware presets and known model shapes the paper
 configs and the memory planner read (presets.py). Imports nothing else of ess_jax, and no jax."""
 
 from ess_jax.config.defaults import base_config
+from ess_jax.config.names import explain_flag_error, unknown_field
 from ess_jax.config.schema import (
     CHOICES,
     DOMAINS,
@@ -11,9 +13,7 @@ from ess_jax.config.schema import (
     UserError,
     check,
     check_names,
-    explain_flag_error,
     fail,
-    unknown_field,
 )
 
 __all__ = [

@@ -105,6 +105,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.is_cap = 2.0  # TIS truncation C (MIS: upper edge of the kept band)
     c.objective.is_cap_low = 0.0  # MIS: lower edge of the kept band (verl's default: 1 / is_cap)
     c.objective.is_veto = 0.0  # TIS / MIS: zero a sequence with any w_t below it; 0 off (verl 1e-4)
+    c.objective.m2_threshold = 0.04  # m2po: bound on the kept tokens' mean (log rho)^2 (AReaL)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-5

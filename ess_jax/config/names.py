@@ -1,12 +1,15 @@
-"""Field names: the paths of `defaults.base_config`, the mappings whose keys are free-form, and
-the names researchers bring from other frameworks (TRL, verl, Hugging Face Trainer), which the
-"did you mean" of `schema.unknown_field` maps to the field they mean here.
+"""Field names: the paths of `defaults.base_config`, the mappings whose keys are free-form, the
+names researchers bring from other frameworks (TRL, verl, Hugging Face Trainer), and the one-line
+"did you mean" for a name that is no field (`unknown_field`, `explain_flag_error`), which maps
+such a name to the field it means here.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from ess_jax.config.defaults import base_config
 
@@ -95,3 +98,70 @@ def alias(tree: Mapping, path: str) -> str | None:
     if section and isinstance(here, Mapping) and leaf in here:
         return ".".join([*section, leaf])
     return target if _get(tree, target.split(".")) is not _MISSING else None
+
+
+def leaves(tree: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    """(dotted path, value) of every leaf; an empty mapping is a leaf."""
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            yield from leaves(value, path + ".")
+        else:
+            yield path, value
+
+
+def as_dict(config) -> dict:
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def unknown_field(config, path: str) -> str | None:
+    """None if `path` (e.g. "objective.name") is a field of `config`; else a one-line message
+    naming it and the field it most likely means: the one ALIASES gives (learning_rate
+    -> optim.lr), else the closest spelling in its section, else the closest path."""
+    tree = as_dict(config)
+    node, parts = tree, path.split(".")
+    for i, part in enumerate(parts):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+            continue
+        if not isinstance(node, Mapping):
+            return f"config.{path}: no such field ({'.'.join(parts[:i])} is not a section)"
+        guess = alias(tree, path)
+        close = difflib.get_close_matches(part, [str(k) for k in node], n=1, cutoff=0.5)
+        if guess is None and close:
+            guess = ".".join([*parts[:i], close[0], *parts[i + 1 :]])
+        elif guess is None:
+            every = [p for p, _ in leaves(tree)]
+            close = difflib.get_close_matches(path, every, n=1, cutoff=0.5)
+            guess = close[0] if close else None
+        hint = f"; did you mean {guess}?" if guess else ""
+        return f"config.{path}: no such field{hint}"
+    return None
+
+
+def explain_flag_error(argv: list[str], exc: Exception) -> str:
+    """One line for a command line the flags parser refused: an unknown `--config.<field>`
+    names the closest field; a config file that raised gives its exception's last line."""
+    text = str(exc)
+    config_file = None
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            config_file = a.split("=", 1)[1]
+        elif a == "--config" and i + 1 < len(argv):
+            config_file = argv[i + 1]
+    overrides = [a[len("--config.") :].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    if "Error whilst parsing config file" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1].strip()
+        return f"config file {config_file}: {last}"
+    if config_file and overrides and isinstance(exc, (AttributeError, KeyError)):
+        from ml_collections.config_flags.config_flags import ConfigFileFlagParser
+
+        try:
+            config = ConfigFileFlagParser("config", lock_config=False).parse(config_file)
+        except Exception:  # reported below as the parser's own message
+            config = None
+        for path in overrides if config is not None else ():
+            msg = unknown_field(config, path)
+            if msg:
+                return msg
+    return " ".join(text.replace("\\n", " ").split())

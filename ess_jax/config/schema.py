@@ -11,7 +11,6 @@ file, gets the closest valid one (or the field a name from another framework mea
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import numbers
 from collections.abc import Iterable, Mapping
@@ -19,6 +18,7 @@ from typing import Any
 
 from ess_jax.config import names
 from ess_jax.config.defaults import base_config
+from ess_jax.config.names import as_dict, leaves, unknown_field
 
 
 class UserError(Exception):
@@ -125,6 +125,7 @@ DOMAINS: dict[str, Domain] = {
     "objective.is_cap": _POS,
     "objective.is_cap_low": _NONNEG,
     "objective.is_veto": _UNIT_OPEN_HI,
+    "objective.m2_threshold": _POS,
     "optim.lr": _POS,
     "optim.warmup_steps": _ints(0),
     "optim.final_lr_fraction": _UNIT,
@@ -173,20 +174,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def leaves(tree: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:
-    """(dotted path, value) of every leaf; an empty mapping is a leaf."""
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            yield from leaves(value, path + ".")
-        else:
-            yield path, value
-
-
-def _as_dict(config) -> dict:
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
-
-
 def check(config) -> None:
     """Every field is one of base_config's (`check_fields`), required fields are set, every
     numeric field is in its domain, every field of CHOICES is one of its values, the rollout can
@@ -203,7 +190,7 @@ def check_fields(config) -> None:
     mapping, names.FREE_FORM): a typo inside a config file (`c.optim.lrr = 1`) would otherwise
     run with the default and land in config.json. Only extra fields are refused (a partial
     config passes)."""
-    for path, _ in leaves(_as_dict(config)):
+    for path, _ in leaves(as_dict(config)):
         if not names.is_known(path):
             msg = unknown_field(base_config(), path)
             raise ConfigError(msg or f"config.{path}: no such field")
@@ -213,7 +200,7 @@ def check_rules(config) -> None:
     """Rules between fields that need no devices, files or task (those are experiment.validate's:
     the mesh's data ranks, checkpoint paths, the task's own dials). A rule whose fields a partial
     config lacks is skipped."""
-    c = _as_dict(config)
+    c = as_dict(config)
 
     def get(*paths):
         values = []
@@ -299,7 +286,7 @@ def check_full_kl(config) -> None:
     """objective.kl_estimator "full" re-scores pi_b's whole distribution in the train step
     (ess_jax/sampling/rescore.py). Refuse what cannot be re-scored exactly instead of
     approximating it."""
-    c = _as_dict(config)
+    c = as_dict(config)
     objective = c.get("objective", {})
     if objective.get("kl_estimator") != "full" or objective.get("name") != "p3o":
         return  # other objectives: ObjectiveConfig refuses "full" (they have no use for it)
@@ -326,7 +313,7 @@ def check_full_kl(config) -> None:
 
 
 def _check_values(config) -> None:
-    for path, value in leaves(_as_dict(config)):
+    for path, value in leaves(as_dict(config)):
         dom = DOMAINS.get(path)
         if value is None:
             if dom is None or not dom.optional:
@@ -342,62 +329,9 @@ def _check_values(config) -> None:
                 fail(path, f"must be {dom.describe()}, got {value!r}")
 
 
-def unknown_field(config, path: str) -> str | None:
-    """None if `path` (e.g. "objective.name") is a field of `config`; else a one-line message
-    naming it and the field it most likely means: the one names.ALIASES gives (learning_rate
-    -> optim.lr), else the closest spelling in its section, else the closest path."""
-    tree = _as_dict(config)
-    node, parts = tree, path.split(".")
-    for i, part in enumerate(parts):
-        if isinstance(node, Mapping) and part in node:
-            node = node[part]
-            continue
-        if not isinstance(node, Mapping):
-            return f"config.{path}: no such field ({'.'.join(parts[:i])} is not a section)"
-        guess = names.alias(tree, path)
-        close = difflib.get_close_matches(part, [str(k) for k in node], n=1, cutoff=0.5)
-        if guess is None and close:
-            guess = ".".join([*parts[:i], close[0], *parts[i + 1 :]])
-        elif guess is None:
-            every = [p for p, _ in leaves(tree)]
-            close = difflib.get_close_matches(path, every, n=1, cutoff=0.5)
-            guess = close[0] if close else None
-        hint = f"; did you mean {guess}?" if guess else ""
-        return f"config.{path}: no such field{hint}"
-    return None
-
-
 def check_names(config, paths: Iterable[str], what: str) -> None:
     """Each of `paths` (a field, a section, or `section.*`) exists in `config`."""
     for p in paths:
         msg = unknown_field(config, p.removesuffix(".*"))
         if msg:
             raise ConfigError(f"{what}: {msg}")
-
-
-def explain_flag_error(argv: list[str], exc: Exception) -> str:
-    """One line for a command line the flags parser refused: an unknown `--config.<field>`
-    names the closest field; a config file that raised gives its exception's last line."""
-    text = str(exc)
-    config_file = None
-    for i, a in enumerate(argv):
-        if a.startswith("--config="):
-            config_file = a.split("=", 1)[1]
-        elif a == "--config" and i + 1 < len(argv):
-            config_file = argv[i + 1]
-    overrides = [a[len("--config.") :].split("=", 1)[0] for a in argv if a.startswith("--config.")]
-    if "Error whilst parsing config file" in text:
-        last = [line for line in text.splitlines() if line.strip()][-1].strip()
-        return f"config file {config_file}: {last}"
-    if config_file and overrides and isinstance(exc, (AttributeError, KeyError)):
-        from ml_collections.config_flags.config_flags import ConfigFileFlagParser
-
-        try:
-            config = ConfigFileFlagParser("config", lock_config=False).parse(config_file)
-        except Exception:  # reported below as the parser's own message
-            config = None
-        for path in overrides if config is not None else ():
-            msg = unknown_field(config, path)
-            if msg:
-                return msg
-    return " ".join(text.replace("\\n", " ").split())

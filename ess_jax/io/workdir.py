@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from ess_jax.config import defaults
-from ess_jax.config.schema import UserError, check_names, leaves
+from ess_jax.config.names import leaves
+from ess_jax.config.schema import UserError, check_names
 from ess_jax.io.checkpoint import CheckpointError
 
 LOCK_FILE = "lock"
