@@ -6,21 +6,30 @@ Reads <results>/<experiment>/<arm>/<seed>/metrics.jsonl (written by experiments/
 and writes, without rerunning anything and byte for byte the same each time:
   <results>/<experiment>/table.md     per arm, mean +- std over seeds: final reward (mean of the
                                       last 10 steps), held-out pass@1 (last eval), peak (max
-                                      10-step mean), collapse step per seed, ESS, capped share,
-                                      entropy proxy first -> last 10 steps;
+                                      10-step mean), both collapse steps per seed, held-out
+                                      pass@1 below step 0, ESS, capped share, entropy proxy
+                                      first -> last 10 steps;
                                       then P3O minus each other arm (paired by seed: the seeds
                                       share their warm start) with a 95% t-interval;
   <results>/<experiment>/figure.png   reward, ESS, capped fraction and entropy proxy against
                                       step (10-step means; line: mean over seeds, band: min-max);
-  <results>/summary.md                every P3O-minus-baseline comparison in one table.
-Collapse step: the first step whose 10-step mean reward falls below half of its running peak
-("none" if never).
+  <results>/summary.md                every P3O-minus-baseline comparison in one table, and the
+                                      collapse counts per arm.
+Collapse (dip): the first step whose 10-step mean reward falls below half of its running peak.
+Collapse (sustained): the first step from which the 10-step mean reward stays below half of its
+running peak for at least 20 consecutive steps, or to the end of the run if fewer remain.
+Both are "none" if there is no such step. Held-out below step 0: held-out pass@1 of the last
+eval below that of the eval at step 0.
+Shared runs: a run whose metrics equal, row for row (timing fields aside), a run of an
+experiment earlier in sorted order is listed under that earlier experiment in summary.md and
+marked "Shared:" in its own table; summary.md counts it once.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import os
 import sys
@@ -31,11 +40,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # configs.mini, for the experiments' declared arm order
 WINDOW = 10
+SUSTAIN = 20  # consecutive steps below half the running peak for a sustained collapse
 # Per-step fields that measure time, not the run: they differ between two identical runs.
 TIMING_KEYS = ("tokens_per_s", "sample_s", "step_s")
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1.96 beyond the table).
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 REFERENCE = "p3o"
+COLLAPSE_NOTES = [
+    "collapse (dip): the first step whose 10-step mean reward is below half its running peak.",
+    f"collapse (sustained): the first step from which it stays there for {SUSTAIN} consecutive "
+    'steps, or to the end of the run if fewer remain. Both per seed, "none" if never.',
+    "held-out below step 0: runs whose held-out pass@1 at the last eval is below step 0's.",
+]
 
 
 def read_rows(path: str) -> list[dict]:
@@ -65,12 +81,31 @@ def moving_mean(x: np.ndarray, w: int = WINDOW) -> np.ndarray:
     return (c[w:] - c[:-w]) / w
 
 
-def collapse_step(steps: np.ndarray, reward: np.ndarray) -> int | None:
-    """First step whose 10-step mean reward is below half its running peak, or None."""
+def below_half_peak(reward: np.ndarray) -> np.ndarray:
+    """Per full window: is the 10-step mean reward below half its running peak."""
     mm = moving_mean(reward)
     peak = np.maximum.accumulate(mm) if len(mm) else mm
-    below = np.nonzero(mm < 0.5 * peak)[0]
+    return mm < 0.5 * peak
+
+
+def collapse_step(steps: np.ndarray, reward: np.ndarray) -> int | None:
+    """Collapse (dip): first step whose 10-step mean reward is below half its running peak, or
+    None."""
+    below = np.nonzero(below_half_peak(reward))[0]
     return int(steps[below[0] + WINDOW - 1]) if len(below) else None
+
+
+def sustained_collapse_step(
+    steps: np.ndarray, reward: np.ndarray, sustain: int = SUSTAIN
+) -> int | None:
+    """Collapse (sustained): first step from which the 10-step mean reward stays below half its
+    running peak for `sustain` consecutive steps, or to the end of the run if fewer remain; or
+    None."""
+    below = below_half_peak(reward)
+    for i in np.nonzero(below)[0]:
+        if np.all(below[i : i + sustain]):
+            return int(steps[i + WINDOW - 1])
+    return None
 
 
 def run_summary(run: dict) -> dict:
@@ -84,13 +119,31 @@ def run_summary(run: dict) -> dict:
         "final": float(np.mean(reward[-WINDOW:])),
         "peak": float(np.max(moving_mean(reward))) if len(tr) >= WINDOW else float("nan"),
         "collapse": collapse_step(steps, reward),
+        "sustained": sustained_collapse_step(steps, reward),
         "pass1": float(run["eval"][-1]["eval/pass@1"]) if run["eval"] else float("nan"),
+        "below_step0": heldout_below_step0(run["eval"]),
         "ess": float(np.mean(col("ess"))),
         "ess_min": float(np.min(col("ess_min") if "ess_min" in tr[0] else col("ess"))),
         "capped": float(np.mean(col("capped_frac"))),
         "ent_first": float(np.mean(ent[:WINDOW])),
         "ent_last": float(np.mean(ent[-WINDOW:])),
     }
+
+
+def heldout_below_step0(evals: list[dict]) -> bool:
+    """Held-out pass@1 of the last eval below that of the eval at step 0 (False without both)."""
+    first = [r["eval/pass@1"] for r in evals if r["step"] == 0]
+    if not first or evals[-1]["step"] == 0:
+        return False
+    return bool(evals[-1]["eval/pass@1"] < first[0])
+
+
+def fingerprint(run: dict) -> str:
+    """The run's metrics rows, timing fields aside, as one string: equal for identical runs."""
+    rows = [
+        {k: v for k, v in r.items() if k not in TIMING_KEYS} for r in run["train"] + run["eval"]
+    ]
+    return json.dumps(rows, sort_keys=True)
 
 
 def arm_order(experiment: str, arms: list[str]) -> list[str]:
@@ -168,25 +221,37 @@ def fmt_interval(m: tuple[float, float, float]) -> str:
     return f"{m[0]:+.3f} [{m[1]:+.3f}, {m[2]:+.3f}]"
 
 
-def table(experiment: str, arms: dict[str, dict[int, dict]]) -> str:
+def table(
+    experiment: str,
+    arms: dict[str, dict[int, dict]],
+    shared: dict[str, dict[int, str]] | None = None,
+) -> str:
+    """The experiment's table.md; shared: {arm: {seed: experiment it is listed under}}."""
+    shared = shared or {}
     order = arm_order(experiment, list(arms))
     lines = [
         f"# {experiment}",
         "",
-        "| arm | seeds | final reward | held-out pass@1 | peak | collapse step | mean ESS "
-        "| min ESS | capped frac | entropy first -> last |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | seeds | final reward | held-out pass@1 | peak | collapse (dip) "
+        "| collapse (sustained) | held-out below step 0 | mean ESS | min ESS | capped frac "
+        "| entropy first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in order:
         runs = [run_summary(arms[arm][s]) for s in sorted(arms[arm])]
-        collapse = ", ".join("none" if r["collapse"] is None else str(r["collapse"]) for r in runs)
+        dip, sustained = (
+            ", ".join("none" if r[key] is None else str(r[key]) for r in runs)
+            for key in ("collapse", "sustained")
+        )
+        below = sum(r["below_step0"] for r in runs)
         entropy = (
             f"{fmt([r['ent_first'] for r in runs], 2)} -> {fmt([r['ent_last'] for r in runs], 2)}"
         )
         lines.append(
             f"| {arm} | {len(runs)} | {fmt([r['final'] for r in runs])} "
             f"| {fmt([r['pass1'] for r in runs])} | {fmt([r['peak'] for r in runs])} "
-            f"| {collapse} | {fmt([r['ess'] for r in runs], 4)} "
+            f"| {dip} | {sustained} | {below} of {len(runs)} "
+            f"| {fmt([r['ess'] for r in runs], 4)} "
             f"| {min(r['ess_min'] for r in runs):.4f} | {fmt([r['capped'] for r in runs])} "
             f"| {entropy} |"
         )
@@ -203,6 +268,14 @@ def table(experiment: str, arms: dict[str, dict[int, dict]]) -> str:
             lines.append(
                 f"| {c['ref']} | {c['arm']} | {c['n']} | {fmt_interval(c['final'])} "
                 f"| {fmt_interval(c['pass1'])} |"
+            )
+    lines += ["", *COLLAPSE_NOTES]
+    for arm in order:
+        for source in sorted(set(shared.get(arm, {}).values())):
+            seeds = sorted(s for s, e in shared[arm].items() if e == source)
+            lines.append(
+                f"Shared: `{arm}` seeds {', '.join(map(str, seeds))} are row for row (timing "
+                f"fields aside) runs of `{source}`; summary.md counts them under `{source}`."
             )
     return "\n".join(lines) + "\n"
 
@@ -262,36 +335,92 @@ def figure(experiment: str, arms: dict[str, dict[int, dict]], path: str) -> None
     plt.close(fig)
 
 
+def shared_runs(experiments: dict[str, dict[str, dict[int, dict]]]) -> dict[str, dict]:
+    """{experiment: {arm: {seed: earlier experiment}}} for every run whose metrics equal, row for
+    row (timing fields aside), a run of an experiment earlier in sorted order."""
+    first: dict[str, str] = {}
+    out: dict[str, dict] = {}
+    for experiment in sorted(experiments):
+        for arm, seeds in sorted(experiments[experiment].items()):
+            for seed, run in sorted(seeds.items()):
+                source = first.setdefault(fingerprint(run), experiment)
+                if source != experiment:
+                    out.setdefault(experiment, {}).setdefault(arm, {})[seed] = source
+    return out
+
+
 def analyze(results: str) -> list[str]:
     """Writes every table, figure and the summary; returns the paths written."""
-    written, summary = [], []
+    experiments = {}
     for experiment in sorted(os.listdir(results)):
         exp_dir = os.path.join(results, experiment)
-        if not os.path.isdir(exp_dir):
-            continue
-        arms = load_experiment(exp_dir)
-        if not arms:
-            continue
+        if os.path.isdir(exp_dir):
+            arms = load_experiment(exp_dir)
+            if arms:
+                experiments[experiment] = arms
+    if not experiments:
+        raise SystemExit(f"no <experiment>/<arm>/<seed>/metrics.jsonl under {results!r}")
+    shared = shared_runs(experiments)
+    written, summary, notes, counts = [], [], [], []
+    totals = [0, 0, 0, 0]
+    for experiment, arms in experiments.items():
+        exp_dir = os.path.join(results, experiment)
+        exp_shared = shared.get(experiment, {})
         with open(os.path.join(exp_dir, "table.md"), "w") as f:
-            f.write(table(experiment, arms))
+            f.write(table(experiment, arms, exp_shared))
         figure(experiment, arms, os.path.join(exp_dir, "figure.png"))
         written += [os.path.join(exp_dir, "table.md"), os.path.join(exp_dir, "figure.png")]
-        for c in comparisons(arms, arm_order(experiment, list(arms))):
+        order = arm_order(experiment, list(arms))
+        for c in comparisons(arms, order):
+            seeds = [s for s in arms[c["ref"]] if s in arms[c["arm"]]]
+            sources = {exp_shared.get(a, {}).get(s) for a in (c["ref"], c["arm"]) for s in seeds}
+            if len(sources) == 1 and None not in sources:
+                notes.append(
+                    f"- {experiment} {c['ref']} - {c['arm']}: the same runs as "
+                    f"{sources.pop()}'s, listed there."
+                )
+                continue
             summary.append(
                 f"| {experiment} | {c['ref']} - {c['arm']} | {c['n']} "
                 f"| {fmt_interval(c['final'])} | {fmt_interval(c['pass1'])} |"
             )
-    if not written:
-        raise SystemExit(f"no <experiment>/<arm>/<seed>/metrics.jsonl under {results!r}")
+        for arm in order:
+            own = [s for s in sorted(arms[arm]) if s not in exp_shared.get(arm, {})]
+            runs = [run_summary(arms[arm][s]) for s in own]
+            n = [len(runs), sum(r["collapse"] is not None for r in runs)]
+            n += [
+                sum(r["sustained"] is not None for r in runs),
+                sum(r["below_step0"] for r in runs),
+            ]
+            totals = [t + k for t, k in zip(totals, n)]
+            where = sorted(set(exp_shared.get(arm, {}).values()))
+            mark = f" ({len(arms[arm]) - len(own)} shared, counted under {', '.join(where)})"
+            counts.append(
+                f"| {experiment} | {arm} | {n[0]}{mark if where else ''} | {n[1]} | {n[2]} "
+                f"| {n[3]} |"
+            )
     head = [
         "# P3O minus baseline, every experiment (paired by seed, mean [95% t-interval])",
         "",
         "| experiment | comparison | seeds | final reward | held-out pass@1 |",
         "|---|---|---|---|---|",
     ]
+    if notes:
+        summary += ["", "Listed once (shared runs, see the experiments' table.md):", "", *notes]
+    counts_head = [
+        "",
+        "# Collapse counts per arm (each distinct run counted once)",
+        "",
+        *COLLAPSE_NOTES,
+        "",
+        "| experiment | arm | runs | collapse (dip) | collapse (sustained) "
+        "| held-out below step 0 |",
+        "|---|---|---|---|---|---|",
+    ]
+    counts.append(f"| all | all | {totals[0]} | {totals[1]} | {totals[2]} | {totals[3]} |")
     path = os.path.join(results, "summary.md")
     with open(path, "w") as f:
-        f.write("\n".join(head + summary) + "\n")
+        f.write("\n".join(head + summary + counts_head + counts) + "\n")
     return [*written, path]
 
 
