@@ -23,6 +23,7 @@ from ess_jax.objectives.core import (
 )
 from ess_jax.objectives.kl import (
     KL_ESTIMATORS,
+    REF_KL_ESTIMATORS,
     EssSums,
     combine_ess_sums,
     effective_sample_size,
@@ -31,9 +32,11 @@ from ess_jax.objectives.kl import (
     ess_sums,
     full_kl,
     get_kl_estimator,
+    kl_forward,
     kl_k1,
     kl_k2,
     kl_k3,
+    kl_k3_is,
     kl_on_support,
 )
 from ess_jax.objectives.losses import (
@@ -44,6 +47,7 @@ from ess_jax.objectives.losses import (
     grpo_tis,
     gspo,
     gspo_token,
+    m2po,
     p3o,
     p3o_dual,
     reinforce,
@@ -72,6 +76,7 @@ __all__ = [
     "step_statistics",
     "token_counts",
     "KL_ESTIMATORS",
+    "REF_KL_ESTIMATORS",
     "EssSums",
     "combine_ess_sums",
     "effective_sample_size",
@@ -82,7 +87,9 @@ __all__ = [
     "get_kl_estimator",
     "kl_k1",
     "kl_k2",
+    "kl_forward",
     "kl_k3",
+    "kl_k3_is",
     "kl_on_support",
     "cispo",
     "decoupled_ppo",
@@ -91,6 +98,7 @@ __all__ = [
     "grpo_tis",
     "gspo",
     "gspo_token",
+    "m2po",
     "p3o",
     "p3o_dual",
     "reinforce",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from ess_jax.config.schema import ESS_SCOPES
-from ess_jax.objectives.kl import KL_ESTIMATORS
+from ess_jax.objectives.kl import KL_ESTIMATORS, REF_KL_ESTIMATORS
 
 SCOPES = ESS_SCOPES  # meanings: scopes.py
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
@@ -31,8 +31,9 @@ class ObjectiveConfig:
     # "step" (invariant to micro-batching) | "microbatch" (reference code default) |
     # "microbatch_local" (per-micro-batch denominators too); see scopes.py
     ess_scope: str = "step"
-    kl_estimator: str = "k3"  # KL to pi_b / pi_prox / pi_mix: k1 | k2 | k3 | full (p3o only)
-    ref_kl_estimator: str = "k3"  # KL to the frozen reference (beta_kl)
+    # KL to pi_b / pi_prox / pi_mix: k1 | k2 | k3 | k3_is | forward | full (p3o only)
+    kl_estimator: str = "k3"
+    ref_kl_estimator: str = "k3"  # KL to the frozen reference (beta_kl): k1 | k2 | k3
     aggregation: str = "token_mean"  # see AGGREGATIONS
     constant_normalizer: float = 1.0  # "constant": sum / (num_seqs * constant_normalizer)
     clip_eps_low: float = 0.2  # grpo/dapo/cispo/gspo/decoupled_ppo (paper clips for dapo/gspo)
@@ -55,12 +56,15 @@ class ObjectiveConfig:
     # grpo_tis / grpo_mis: a sequence with any token weight w_t < is_veto gets weight 0; 0 = off
     # (verl's rollout_is_veto_threshold, 1e-4 in its configs).
     is_veto: float = 0.0
+    # m2po: tokens with the largest (log rho)^2 are masked until the rest's mean is below it
+    # (AReaL's actor.m2_threshold, 0.04 in its gsm8k_m2po example).
+    m2_threshold: float = 0.04
 
     def __post_init__(self):
         choices = {
             "ess_scope": SCOPES,
             "kl_estimator": (*KL_ESTIMATORS, FULL_KL),
-            "ref_kl_estimator": KL_ESTIMATORS,
+            "ref_kl_estimator": REF_KL_ESTIMATORS,
             "aggregation": AGGREGATIONS,
             "dual_version": DUAL_VERSIONS,
             "is_level": IS_LEVELS,
@@ -81,6 +85,8 @@ class ObjectiveConfig:
             )
         if not 0.0 <= self.is_veto < 1.0:
             raise ValueError(f"need 0 <= is_veto < 1 (0: off), got is_veto={self.is_veto}")
+        if self.m2_threshold <= 0:
+            raise ValueError(f"m2_threshold must be > 0, got {self.m2_threshold}")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ObjectiveConfig))

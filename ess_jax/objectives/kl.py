@@ -3,8 +3,9 @@ the importance ratios, sampled-token KL estimators, exact full-vocabulary KL (al
 truncated distribution); all in float32.
 
 Axis alphabet: B batch, T time, V vocab. Sampled-token estimators take the log-prob of the
-realised token under the current policy (`logp`) and under the other policy (`other_logp`)
-and estimate KL(pi_theta || pi_other) per token (Schulman's k1/k2/k3).
+realised token under the current policy (`logp`) and under the other policy (`other_logp`),
+for tokens drawn from pi_b (Schulman's k1/k2/k3, and the importance-weighted `k3_is` and
+`forward`); each docstring gives the estimator's mean over y ~ pi_b when pi_other = pi_b.
 """
 
 from __future__ import annotations
@@ -21,28 +22,101 @@ K3_EXP_CLAMP = 10.0
 
 
 def kl_k1(logp: jax.Array, other_logp: jax.Array) -> jax.Array:
-    """k1 = log(pi / pi_other): unbiased, high variance, can be negative."""
+    """k1 = log(pi / pi_other); over y ~ pi_b (pi_other = pi_b) its mean is -KL(pi_b || pi) <= 0
+    (it is unbiased for KL(pi || pi_other) on pi's own samples); high variance."""
     return logp.astype(jnp.float32) - other_logp.astype(jnp.float32)
 
 
 def kl_k2(logp: jax.Array, other_logp: jax.Array) -> jax.Array:
-    """k2 = 0.5 * log(pi / pi_other)^2: biased, low variance, non-negative."""
+    """k2 = 0.5 * log(pi / pi_other)^2; over y ~ pi_b its mean is 0.5 E_b[log^2(pi/pi_b)] >= 0
+    (either KL to second order): biased, low variance."""
     return 0.5 * jnp.square(kl_k1(logp, other_logp))
 
 
 def kl_k3(logp: jax.Array, other_logp: jax.Array) -> jax.Array:
-    """k3 = (logp - other) + exp(clip(other - logp, -10, 10)) - 1, exactly as the paper code."""
+    """k3 = (logp - other) + exp(clip(other - logp, -10, 10)) - 1, exactly as the paper code.
+    Over y ~ pi_b (pi_other = pi_b, unclamped) its mean is chi^2(pi_b || pi) - KL(pi_b || pi),
+    not KL(pi || pi_b) (`kl_k3_is` is)."""
     logp = logp.astype(jnp.float32)
     other_logp = other_logp.astype(jnp.float32)
     expo = jnp.clip(other_logp - logp, -K3_EXP_CLAMP, K3_EXP_CLAMP)
     return (logp - other_logp) + jnp.exp(expo) - 1.0
 
 
+# The log of the importance weight pi / pi_other in `k3_is` and `forward` is clamped as every
+# importance ratio (core.LOG_RATIO_CLAMP, verl's; core imports this module, so the value is here).
+IS_LOG_CLAMP = 20.0
+
+
+def _clamp(log_w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(c, d): c = clip(log_w, -IS_LOG_CLAMP, IS_LOG_CLAMP) and d = log_w - c, the distance
+    beyond the clamp (0 inside, with a zero gradient there).
+
+    `kl_k3_is` and `kl_forward` compute their g(log w) as g(c) + g'(c) d, the first-order
+    extension past the clamp: g itself inside, its tangent at +-20 beyond. Value and gradient
+    are continuous; both g are convex and increase away from 0, so beyond the clamp the
+    extension grows from g(+-20) > 0 and the gradient keeps the exact one's sign."""
+    c = jnp.clip(log_w, -IS_LOG_CLAMP, IS_LOG_CLAMP)
+    return c, log_w - c
+
+
+def kl_k3_is(logp: jax.Array, other_logp: jax.Array) -> jax.Array:
+    """k3_is = w log w - (w - 1) with w = pi / pi_other: unbiased for KL(pi || pi_b) on tokens
+    drawn from pi_b (pi_other = pi_b), and so is its gradient.
+
+    Derivation. For samples of pi, k3 of KL(pi || q) is f = q/pi - 1 - log(q/pi) = 1/w - 1 +
+    log w. Importance-weighted to samples of q = pi_b: w f = 1 - w + w log w, and
+    E_b[w f] = sum_y pi_b (1 - w + w log w) = 1 - 1 + sum_y pi log(pi/pi_b) = KL(pi || pi_b).
+    Per token w f >= 0 (x log x - x + 1 >= 0), 0 iff w = 1.
+
+    Gradient. pi_b does not depend on theta, so grad E_b[h] = E_b[grad h] for any h: the
+    estimate's gradient is unbiased exactly when the weight stays differentiable. Here
+    d(w f)/dw = log w and grad w = w grad log pi, so grad(w f) = w log w grad log pi, and
+    E_b[w log w grad log pi] = E_pi[log w grad log pi] = grad KL(pi || pi_b) (the "+1" term of
+    grad KL, E_pi[grad log pi], is 0). With the weight stop-gradient, sg(w) grad f =
+    (w - 1) grad log pi, whose expectation is -E_b[grad log pi] = grad KL(pi_b || pi): the
+    other direction. (sg(w) f plus the score term sg(w f) grad log pi is the same gradient as
+    the form used here.)
+
+    Clamp: exact for |log w| <= 20 (IS_LOG_CLAMP, as core.ratio); beyond, the estimate
+    continues along its tangent at c = +-20 (`_clamp`): value and gradient are
+    continuous, the gradient is c e^c grad log pi (<= 20 e^20 ~ 9.7e9 in size), with the exact
+    sign, and no exp() can overflow."""
+    log_w = logp.astype(jnp.float32) - other_logp.astype(jnp.float32)
+    c, beyond = _clamp(log_w)
+    # 1 - w as -expm1: exact near w = 1, where the estimate is ~ (w - 1)^2 / 2.
+    return (c * jnp.exp(c) - jnp.expm1(c)) + c * jnp.exp(c) * beyond
+
+
+def kl_forward(logp: jax.Array, other_logp: jax.Array) -> jax.Array:
+    """forward = rho - 1 - log rho with rho = pi / pi_other: unbiased for the forward KL
+    KL(pi_b || pi) on tokens drawn from pi_b (pi_other = pi_b), and so is its gradient.
+
+    E_b[rho] = sum_y pi = 1 and E_b[-log rho] = KL(pi_b || pi), so E_b[rho - 1 - log rho] =
+    KL(pi_b || pi); per token >= 0, 0 iff rho = 1. Gradient (pi_b fixed, as for k3_is):
+    (rho - 1) grad log pi, with E_b[(rho - 1) grad log pi] = -E_b[grad log pi] =
+    grad KL(pi_b || pi). Its value is k3 with the arguments swapped; k3 itself,
+    -log r + r - 1 with r = 1/rho, is the reverse-direction k3 without its weight.
+
+    Clamp: exact for |log rho| <= 20 (IS_LOG_CLAMP); beyond, its tangent at c = +-20
+    (`_clamp`): the gradient is (e^c - 1) grad log pi, bounded by e^20, with the
+    exact sign (-1 below -20: as k3's linear term, it pulls pi(y) back up)."""
+    log_rho = logp.astype(jnp.float32) - other_logp.astype(jnp.float32)
+    c, beyond = _clamp(log_rho)
+    return (jnp.expm1(c) - c) + jnp.expm1(c) * beyond
+
+
 KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "k1": kl_k1,
     "k2": kl_k2,
     "k3": kl_k3,
+    "k3_is": kl_k3_is,
+    "forward": kl_forward,
 }
+# ObjectiveConfig.ref_kl_estimator: the frozen reference is not the policy the tokens come from
+# (pi_b), so the weight pi / pi_ref of k3_is and forward corrects for the wrong sampler (and
+# grows without bound as pi leaves pi_ref); the reference KL keeps k1 / k2 / k3.
+REF_KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def get_kl_estimator(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:

@@ -207,6 +207,45 @@ def grpo_mis(
     return _truncated_is(logp_BxT, batch, config, masked=True)
 
 
+def m2po_mask(log_ratio: jax.Array, mask: jax.Array, threshold: float) -> jax.Array:
+    """M2PO's second-moment mask: the kept tokens less the fewest largest-(log rho)^2 ones whose
+    removal brings the mean (log rho)^2 of the rest strictly under `threshold`; if no such set
+    leaves a token, only the token with the smallest (log rho)^2 is kept (AReaL's
+    `get_m2po_loss_mask`: its `num_to_mask = n - 1`). Over the arrays given. Stop-gradient."""
+    m2 = jnp.where(mask, jnp.square(jax.lax.stop_gradient(log_ratio)), -1.0).reshape(-1)
+    order = jnp.argsort(-m2, stable=True)  # kept tokens first, largest (log rho)^2 first
+    sorted_m2 = jnp.where(m2[order] >= 0.0, m2[order], 0.0)
+    n = jnp.sum(mask, dtype=jnp.int32)
+    i = jnp.arange(m2.size)
+    # mean of the sorted suffix [i, n): the tokens left after masking the first i
+    before = jnp.cumsum(sorted_m2) - sorted_m2
+    suffix_mean = (jnp.sum(sorted_m2) - before) / jnp.maximum(n - i, 1).astype(jnp.float32)
+    below = (i < n) & (suffix_mean < threshold)
+    num_masked = jnp.where(below.any(), jnp.argmax(below), n - 1)
+    rank = jnp.zeros_like(i).at[order].set(i)
+    return mask & (rank >= num_masked).reshape(mask.shape)
+
+
+def m2po(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """M2PO (Zheng et al. 2025, "Prosperity before Collapse: How Far Can Off-Policy RL Reach with
+    Stale Data on LLMs?"), as AReaL documents it (docs/en/algorithms/m2po.md) and codes its mask
+    (its PPO actor's `get_m2po_loss_mask`; `actor.m2_threshold`, 0.04 in
+    examples/math/gsm8k_m2po.yaml): -M_t rho_t A_t, no clip (the documented objective). M_t
+    (`m2po_mask`) drops the tokens with the largest M2_t = (log rho_t)^2 until the rest's mean
+    M2 is under m2_threshold.
+    Differences: rho and M2 are against the recorded pi_b (AReaL's mask uses pi_prox - pi_b, its
+    ratio pi_theta / pi_prox with decoupled PPO; the documented formula's M2 is log pi_theta /
+    pi_behav); the mask is over the arrays given (a micro-batch, as AReaL's loss function);
+    masked tokens keep their place in N (AReaL divides by the unmasked count)."""
+    c = prepare(logp_BxT, batch, config)
+    keep = m2po_mask(c.log_ratio, c.mask, config.m2_threshold)
+    pg = -jnp.where(keep, c.rho * c.adv, 0.0)
+    masked = c.mask & ~keep
+    m2 = jnp.square(jax.lax.stop_gradient(c.log_ratio))
+    extras = {"m2": jnp.sum(c.metric_w * m2)}  # token mean of (log rho)^2 before the mask
+    return finish(c, batch, config, pg, pg, masked, extras)
+
+
 def reinforce(
     logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig
 ) -> tuple[jax.Array, Metrics]:

@@ -92,6 +92,7 @@ OBJECTIVES: dict[str, Objective] = _records(
     ),
     Objective("grpo_tis", losses.grpo_tis, fields=(*_CLIPS, *_IS), needs_prox=True),
     Objective("grpo_mis", losses.grpo_mis, fields=(*_CLIPS, *_IS, "is_cap_low"), needs_prox=True),
+    Objective("m2po", losses.m2po, fields=("m2_threshold",)),
     Objective("reinforce", losses.reinforce),
 )
 
