@@ -47,6 +47,7 @@ EXPERIMENTS = (
     "e8_dual_anchor",
     "async_lag",
     "e1b_clip_sweep_fp8",
+    "kl_estimators",
 )
 NEEDS_EXTERNAL = ("e7_external",)
 

@@ -35,6 +35,8 @@ OBJECTIVES = {
     "p3o_dual_mixture": {"name": "p3o_dual", "dual_version": "mixture"},
     "p3o_cap_only": {"name": "p3o", "p3o_drop_kl": True},  # no (1 - ESS) KL term
     "p3o_kl_only": {"name": "p3o", "p3o_drop_cap": True},  # weight sg(rho), KL kept
+    "p3o_k3_is": {"name": "p3o", "kl_estimator": "k3_is"},  # unbiased for KL(pi || pi_b)
+    "p3o_forward": {"name": "p3o", "kl_estimator": "forward"},  # unbiased for KL(pi_b || pi)
     "grpo_tis": {"name": "grpo_tis", "is_cap": 2.0},  # GRPO clip 0.2 vs pi_old, min(w, 2)
 }
 
