@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ess_jax.config.defaults import base_config
@@ -56,21 +56,13 @@ ALIASES: dict[str, str] = {
 }
 
 
-_MISSING = object()
+MISSING = object()  # `lookup`'s answer for a path the tree does not have
 
 
 @functools.cache
 def known_paths() -> frozenset[str]:
     """Every field path of `base_config()` (an empty mapping, e.g. task.difficulty, is one)."""
-
-    def walk(tree: Mapping, prefix: str):
-        for key, value in tree.items():
-            if isinstance(value, Mapping) and value:
-                yield from walk(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}"
-
-    return frozenset(walk(base_config().to_dict(), ""))
+    return frozenset(path for path, _ in leaves(base_config().to_dict()))
 
 
 def is_known(path: str) -> bool:
@@ -78,10 +70,11 @@ def is_known(path: str) -> bool:
     return path in known_paths() or any(path.startswith(f + ".") for f in FREE_FORM)
 
 
-def _get(tree: Mapping, parts: Sequence[str]):
-    for part in parts:
+def lookup(tree: Mapping, path: str):
+    """The value at the dotted `path` of `tree` (a config as a dict), or MISSING."""
+    for part in path.split("."):
         if not isinstance(tree, Mapping) or part not in tree:
-            return _MISSING
+            return MISSING
         tree = tree[part]
     return tree
 
@@ -94,10 +87,10 @@ def alias(tree: Mapping, path: str) -> str | None:
     if target is None:
         return None
     leaf = target.rsplit(".", 1)[1]
-    here = _get(tree, section)
+    here = lookup(tree, ".".join(section))
     if section and isinstance(here, Mapping) and leaf in here:
         return ".".join([*section, leaf])
-    return target if _get(tree, target.split(".")) is not _MISSING else None
+    return target if lookup(tree, target) is not MISSING else None
 
 
 def leaves(tree: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from ess_jax.config import names
@@ -203,15 +203,8 @@ def check_rules(config) -> None:
     c = as_dict(config)
 
     def get(*paths):
-        values = []
-        for p in paths:
-            node = c
-            for part in p.split("."):
-                if not isinstance(node, Mapping) or part not in node:
-                    return None
-                node = node[part]
-            values.append(node)
-        return values
+        values = [names.lookup(c, p) for p in paths]
+        return None if any(v is names.MISSING for v in values) else values
 
     if v := get("model.source", "model.num_heads", "model.num_kv_heads"):
         source, heads, kv_heads = v
