@@ -48,8 +48,9 @@ EXPERIMENTS = (
     "async_lag",
     "e1b_clip_sweep_fp8",
     "kl_estimators",
+    "stability_map",
 )
-NEEDS_EXTERNAL = ("e7_external",)
+NEEDS_EXTERNAL = ("e7_external",)  # every arm; other experiments name theirs in EXTERNAL_ARMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +85,20 @@ def main_args(job: Job, workdir: str, warm_root: str, sets: tuple[str, ...] = ()
         f"--config.seed={job.seed}",
         f"--config.model.source={warm_dir(warm_root, 'policy', job.seed)}/hf",
     ]
-    if job.experiment in NEEDS_EXTERNAL:
+    if needs_external(job):
         ext = warm_dir(warm_root, "external", job.seed)
         args.append(f"--config.rollout.external_checkpoint={ext}/hf")
     return [*args, *extra, f"--workdir={workdir}"]
+
+
+def needs_external(job: Job) -> bool:
+    """Whether a job's run samples part of its groups from the external model."""
+    if job.experiment == "warm":
+        return False
+    if job.experiment in NEEDS_EXTERNAL:
+        return True
+    module = importlib.import_module(f"configs.mini.{job.experiment}")
+    return job.arm in getattr(module, "EXTERNAL_ARMS", ())
 
 
 def warm_dir(warm_root: str, kind: str, seed: int) -> str:
@@ -95,7 +106,7 @@ def warm_dir(warm_root: str, kind: str, seed: int) -> str:
 
 
 def warm_jobs(job: Job) -> list[Job]:
-    kinds = ["policy"] + (["external"] if job.experiment in NEEDS_EXTERNAL else [])
+    kinds = ["policy"] + (["external"] if needs_external(job) else [])
     return [Job("warm", kind, job.seed) for kind in kinds]
 
 

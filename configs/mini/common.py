@@ -37,6 +37,8 @@ OBJECTIVES = {
     "p3o_kl_only": {"name": "p3o", "p3o_drop_cap": True},  # weight sg(rho), KL kept
     "p3o_k3_is": {"name": "p3o", "kl_estimator": "k3_is"},  # unbiased for KL(pi || pi_b)
     "p3o_forward": {"name": "p3o", "kl_estimator": "forward"},  # unbiased for KL(pi_b || pi)
+    "p3o_full": {"name": "p3o", "kl_estimator": "full"},  # exact KL(pi || pi_b) over the vocab
+    "m2po": {"name": "m2po"},  # second-moment mask on log rho, threshold 0.04 (AReaL's)
     "grpo_tis": {"name": "grpo_tis", "is_cap": 2.0},  # GRPO clip 0.2 vs pi_old, min(w, 2)
 }
 
@@ -71,6 +73,8 @@ def with_objective(c, arm: str):
         c.objective[key] = value
     if OBJECTIVES[arm]["name"] == "dapo":
         c.rollout.dynamic_sampling = True
+    if OBJECTIVES[arm].get("kl_estimator") == "full":
+        c.model.logits_chunk = 256  # the exact KL holds pi's and pi_b's logits a chunk at a time
     return c
 
 

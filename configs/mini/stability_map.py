@@ -1,0 +1,74 @@
+"""Beyond the paper, at CPU scale: the stability map. Every objective under every source of
+off-policyness the loop has, one condition at a time, on the configs/mini testbed with the same
+hyper-parameters for every arm (nothing tuned per arm or per condition).
+
+Conditions (arm prefix):
+  t0.6 t1.0 t1.2 t1.5 t2.0   rollout temperature (pi_b is the tempered sampler);
+  fp8                        fp8 sampler (float8_e4m3fn weights, per-channel scales), T 1;
+  lag8                       rollouts from the policy 8 updates old, T 1;
+  ext50                      half of each group from the external model of warm_start.py, T 1;
+  upd4                       4 optimizer steps per rollout batch at T 1.2.
+Objectives (arm suffix, common.OBJECTIVES): GRPO clip 0.2, GRPO + truncated IS, P3O as the paper
+has it (k3), P3O cap-only, P3O with each other trust-region estimator (k3_is, forward, full),
+M2PO.
+
+    python experiments/reproduce.py --experiments stability_map --seeds 0 1 2 --jobs 2
+    python experiments/analyze.py results          # tables; the heat-map is written beside them
+
+one arm by hand, after its seed's warm start:
+
+    python -m ess_jax.main --config=configs/mini/stability_map.py:t1.5_p3o_k3_is --config.seed=0 \
+        --config.model.source=runs/mini/warm/policy/seed0/hf \
+        --workdir=runs/mini/stability_map/t1.5_p3o_k3_is/0
+
+(ext50 arms also take --config.rollout.external_checkpoint=runs/mini/warm/external/seed0/hf.)
+"""
+
+from configs.mini import common
+
+CONDITIONS = ("t0.6", "t1.0", "t1.2", "t1.5", "t2.0", "fp8", "lag8", "ext50", "upd4")
+OBJECTIVES = (
+    "grpo_eps0.2",
+    "grpo_tis",
+    "p3o",
+    "p3o_cap_only",
+    "p3o_k3_is",
+    "p3o_forward",
+    "p3o_full",
+    "m2po",
+)
+# P3O with the exact KL has no fp8 arm: the fp8 decode cannot be re-scored exactly
+# (config/schema.py:check_full_kl refuses it), so that cell of the map stays empty.
+ARMS = tuple(
+    f"{cond}_{obj}"
+    for cond in CONDITIONS
+    for obj in OBJECTIVES
+    if (cond, obj) != ("fp8", "p3o_full")
+)
+# Arms whose groups are half drawn by the external model (experiments/reproduce.py passes it).
+EXTERNAL_ARMS = tuple(arm for arm in ARMS if arm.startswith("ext50_"))
+
+
+def split(arm: str) -> tuple[str, str]:
+    """(condition, objective arm) of a map arm."""
+    condition, objective = arm.split("_", 1)
+    return condition, objective
+
+
+def get_config(arg: str | None = None):
+    arm = common.pick(ARMS, arg)
+    c = common.testbed()
+    condition, objective = split(arm)
+    if condition.startswith("t"):
+        c.rollout.temperature = float(condition[1:])
+    elif condition == "fp8":
+        c.rollout.precision = "fp8"
+    elif condition == "lag8":
+        c.rollout.lag = 8
+    elif condition == "ext50":
+        c.rollout.external_fraction = 0.5
+        c.rollout.external_checkpoint = common.placeholder(str)
+    elif condition == "upd4":
+        c.rollout.temperature = 1.2
+        c.train.updates_per_batch = 4
+    return common.with_objective(c, objective)
