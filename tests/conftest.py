@@ -6,6 +6,7 @@ did not run (skipped, xfailed, deselected, or a module skipped at collection) to
 `.ci/check_skips.py` then fails CI for any that `tests/skip_allowlist.txt` does not list.
 """
 
+import glob
 import json
 import os
 
@@ -66,7 +67,26 @@ def pytest_deselected(items):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    """Writes the report. Under pytest-xdist each worker collects (and deselects) on its own and
+    the controller sees only the forwarded run reports: a worker writes its part to
+    <path>.<worker id>, and the controller, which finishes last, merges the parts (one entry per
+    node id and kind) into <path>."""
     path = os.environ.get(REPORT_ENV)
-    if path:
-        with open(path, "w") as f:
-            json.dump({"collected": session.testscollected, "not_run": _not_run}, f, indent=1)
+    if not path:
+        return
+    worker = getattr(session.config, "workerinput", None)
+    if worker is not None:
+        part = {"collected": session.testscollected, "not_run": _not_run}
+        with open(f"{path}.{worker['workerid']}", "w") as f:
+            json.dump(part, f)
+        return
+    collected, entries = session.testscollected, list(_not_run)
+    for part_path in sorted(glob.glob(glob.escape(path) + ".gw*")):
+        with open(part_path) as f:
+            part = json.load(f)
+        os.remove(part_path)
+        collected = max(collected, part["collected"])  # every worker collects the whole suite
+        entries += part["not_run"]
+    unique = {(e["nodeid"], e["how"]): e for e in entries}
+    with open(path, "w") as f:
+        json.dump({"collected": collected, "not_run": list(unique.values())}, f, indent=1)

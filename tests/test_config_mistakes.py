@@ -336,3 +336,18 @@ def test_the_training_loop_logs_the_watchers_warnings(tmp_path, monkeypatch, cap
     lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert sum("the policy is near uniform" in m for m in lines) == 1, lines
     assert sum(f"equal for {health.CONSTANT_STEPS} steps in a row" in m for m in lines) == 1
+
+
+@pytest.mark.parametrize("field", ["num_train", "num_test"])
+def test_more_examples_than_a_synthetic_task_has_is_a_config_error(field):
+    """task.num_train / num_test above what a small problem space holds stops with the field's
+    name and the count found. Catches: the task's ValueError escaping as a traceback from deep
+    inside data loading."""
+    from ess_jax.rl import experiment
+
+    c = base_config()
+    c.task.name = c.task.reward = "addition"
+    c.task.difficulty = {"digits": 1}  # 100 problems in all
+    c.task[field] = 5000
+    with pytest.raises(ConfigError, match=rf"^config\.task\.{field}: .*found only \d+ distinct"):
+        experiment.load_examples(c.task)

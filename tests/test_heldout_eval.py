@@ -85,7 +85,8 @@ def test_tool_evaluates_an_exported_checkpoint(tmp_path, capsys):
     """Catches: the tool not loading a run's hf/ export (a workdir's own config.json, the
     experiment config, taken for a model's), losing a benchmark or a token budget in the table,
     or mixing samples of different problems into one problem's pass@j (with greedy decoding
-    every sample of a problem is the same, so pass@j must equal pass@1)."""
+    every sample of a problem is the same, so pass@j must equal pass@1), or a prompt wider than
+    every --buckets width escaping as a traceback."""
     from configs import quickstart
     from ess_jax.data import char_tokenizer
     from ess_jax.io import weights
@@ -122,3 +123,9 @@ def test_tool_evaluates_an_exported_checkpoint(tmp_path, capsys):
     for row in json.loads(out.read_text()):
         assert row["pass@1"] == row["pass@2"] == row["pass@4"]
         assert 0 < row["response_len"] <= row["max_new_tokens"]
+    # a prompt wider than every bucket: one line naming --buckets, before any sampling
+    short = [a if not a.startswith("--buckets") else "--buckets=8" for a in args]
+    with pytest.raises(
+        SystemExit, match=r"^error: --buckets \(8,\): .* more than the largest bucket 8"
+    ):
+        evaluate_tool.main(short)

@@ -151,6 +151,7 @@ def main(argv=None) -> int:
     presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
     from ess_jax.config.defaults import base_config
     from ess_jax.config.schema import UserError
+    from ess_jax.data.batching import PromptTooLongError
     from ess_jax.parallel import sharding
     from ess_jax.rl import experiment, rollout, saved_policy
     from ess_jax.sampling import sampler
@@ -171,7 +172,12 @@ def main(argv=None) -> int:
     benchmarks = {
         n: load_benchmark(n, d, args.prompt_template, args.cache_dir) for n, d in data.items()
     }
-    rows = evaluate_all(policy, tokenizer, experiment.stop_ids(config, tokenizer), benchmarks, args)
+    try:
+        rows = evaluate_all(
+            policy, tokenizer, experiment.stop_ids(config, tokenizer), benchmarks, args
+        )
+    except PromptTooLongError as e:  # raised while batching, before any sampling
+        raise SystemExit(f"error: --buckets {args.buckets}: {e}") from e
     print(format_table(rows))
     if args.out:
         with open(args.out, "w") as f:

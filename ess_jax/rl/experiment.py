@@ -174,8 +174,7 @@ def load_examples(tcfg) -> tuple[list[dict], list[dict]]:
     """(train, held-out) example lists for `task.name`."""
     if tcfg.name in SYNTHETIC_TASKS:
         task = get_task(tcfg.name, **dict(tcfg.difficulty))
-        train = task.examples("train", tcfg.num_train or None)
-        test = task.examples("test", tcfg.num_test or None)
+        train, test = (_task_examples(task, tcfg, s) for s in ("train", "test"))
     else:
         cache = tcfg.get("cache_dir") or None
         try:
@@ -189,6 +188,16 @@ def load_examples(tcfg) -> tuple[list[dict], list[dict]]:
     if not test:
         fail("task", f"{tcfg.name}: the held-out split is empty")
     return train, test
+
+
+def _task_examples(task, tcfg, split: str) -> list[dict]:
+    """A synthetic task's examples; an explicit count its problem space cannot supply (a
+    ValueError naming it) is the config's error."""
+    field = "num_train" if split == "train" else "num_test"
+    try:
+        return task.examples(split, tcfg[field] or None)
+    except ValueError as e:
+        fail(f"task.{field}", str(e))
 
 
 def _fit_buckets(config, examples, tokenizer, split: str, batch_size: int, **kw) -> PromptBatcher:
