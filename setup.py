@@ -29,7 +29,17 @@ INSTALL_REQUIRES = [
     "jinja2>=3.1",  # chat templates: transformers' apply_chat_template imports it lazily
 ]
 
-TEST_REQUIRES = ["pytest", "hypothesis", "ruff"]
+TEST_REQUIRES = [
+    "pytest",
+    "hypothesis",
+    "ruff",
+    # the suite on 2 workers (README's command): most of a test is single-threaded compiling,
+    # so a 2-core CI machine runs two test files at once
+    "pytest-xdist==3.8.0",
+    # tests/test_lora.py loads our exported adapter onto the HF base with PEFT (needs torch,
+    # which tools/install.sh installs first, the CPU build)
+    "peft==0.21.2",
+]
 
 setup(
     name="ess_jax",

@@ -14,7 +14,8 @@ and writes, without rerunning anything and byte for byte the same each time:
   <results>/<experiment>/figure.png   reward, ESS, capped fraction and entropy proxy against
                                       step (10-step means; line: mean over seeds, band: min-max);
   <results>/summary.md                every P3O-minus-baseline comparison in one table, and the
-                                      collapse counts per arm.
+                                      collapse counts per arm;
+  <results>/stability_map.md (+ PNGs) the stability map's report (experiments/stability_map.py).
 Collapse (dip): the first step whose 10-step mean reward falls below half of its running peak.
 Collapse (sustained): the first step from which the 10-step mean reward stays below half of its
 running peak for at least 20 consecutive steps, or to the end of the run if fewer remain.
@@ -421,6 +422,10 @@ def analyze(results: str) -> list[str]:
     path = os.path.join(results, "summary.md")
     with open(path, "w") as f:
         f.write("\n".join(head + summary + counts_head + counts) + "\n")
+    if "stability_map" in experiments:  # imported here: stability_map imports this module
+        from experiments import stability_map
+
+        written += stability_map.write(results, experiments["stability_map"])
     return [*written, path]
 
 

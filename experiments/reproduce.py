@@ -49,7 +49,11 @@ EXPERIMENTS = (
     "e1b_clip_sweep_fp8",
     "kl_estimators",
     "stability_map",
+    "async_actor_learner",
 )
+# CPU devices per run where an experiment needs more than one: the async actor-learner's
+# sampler and trainer each get one (their runs are not bit-reproducible: the lag is measured)
+DEVICES = {"async_actor_learner": 2}
 NEEDS_EXTERNAL = ("e7_external",)  # every arm; other experiments name theirs in EXTERNAL_ARMS
 
 
@@ -126,13 +130,19 @@ def command_txt(job: Job, sets: tuple[str, ...] = ()) -> str:
         f"# Code: {code_version()} (check this commit out first: other code may differ).",
         "# From the root of a fresh clone after `bash tools/install.sh`; {workdir}: an empty dir.",
         "# The metrics land in {workdir}/run/metrics.jsonl (timing fields differ run to run).",
-        f'export XLA_FLAGS="{XLA_FLAGS}"',
+        f'export XLA_FLAGS="{xla_flags(job.experiment)}"',
     ]
     for w in warm_jobs(job):
         wd = warm_dir("{workdir}/warm", w.arm, w.seed)
         lines.append(" ".join([py, *main_args(w, wd, "", sets)]))
     lines.append(" ".join([py, *main_args(job, "{workdir}/run", "{workdir}/warm", sets)]))
     return "\n".join(lines) + "\n"
+
+
+def xla_flags(experiment: str) -> str:
+    """XLA_FLAGS of a run: one XLA thread, and the experiment's DEVICES CPU devices."""
+    n = DEVICES.get(experiment, 1)
+    return XLA_FLAGS + (f" --xla_force_host_platform_device_count={n}" if n > 1 else "")
 
 
 def result_dir(results: str, job: Job) -> str:
@@ -160,7 +170,7 @@ def run_job(job: Job, runs: str, log_dir: str, sets=()) -> tuple[Job, int, float
         workdir = os.path.join(runs, job.experiment, job.arm, str(job.seed))
     args = main_args(job, workdir, f"{runs}/warm", sets)
     cmd = [sys.executable, "-m", "ess_jax.main", *args]
-    env = {**os.environ, "XLA_FLAGS": XLA_FLAGS, **compile_cache_env(runs)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(job.experiment), **compile_cache_env(runs)}
     t0 = time.time()
     with open(os.path.join(log_dir, job.name + ".log"), "a") as log:
         log.write("+ " + " ".join(cmd) + "\n")

@@ -280,7 +280,7 @@ def test_rollout_metrics_feed_the_constant_reward_warning(monkeypatch):
     tok = char_tokenizer()
     texts = []
 
-    def fake_draw(src, prompts, pmask, sampling, rng, precision, calls):
+    def fake_draw(src, prompts, pmask, sampling, rng, precision, calls, **_):
         b, t = len(prompts) * sampling.num_samples, 2
         tokens = np.array([tok.encode(x, add_special_tokens=False)[:1] * t for x in texts])
         assert tokens.shape == (b, t)

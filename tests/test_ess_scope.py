@@ -136,6 +136,15 @@ def _reference(name, scope, params, batch, order=None):
         "nonfinite_frac": 0.0,  # every log-prob here is finite
     }
     metrics.update({k: np.mean(v) for k, v in ess.items() if v})  # the logged mean over M
+    # the mismatch metrics are the whole batch's, whatever the split: catches them taken from
+    # one micro-batch, or from log-probs out of line with the shuffled rows
+    a, outside = np.abs(lr[mask]), (rho[mask] > 1.2) | (rho[mask] < 0.8)
+    metrics.update(
+        logratio_p95=np.percentile(a, 95),
+        logratio_max=a.max(),
+        frac_outside_clip=outside.mean(),
+        seq_logratio_mean=lr[mask].sum() / mask.any(-1).sum(),
+    )
     return loss, grads, metrics
 
 

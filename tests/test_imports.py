@@ -19,7 +19,7 @@ LAYERS = (
     ("sampling",),
     ("io",),
     ("rl",),
-    ("memory",),
+    ("memory", "mismatch"),
     ("main",),
 )
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

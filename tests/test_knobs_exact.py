@@ -7,11 +7,13 @@ value passes that. Bugs caught here (each planted once, see tests/README.md): lo
 by 1/T instead of the logits (temperature); a top-k that keeps k - 1 tokens; a top-p that drops
 the token crossing the threshold; a bf16 sampler computing in float32 on bf16-rounded weights;
 fp8 with one scale per tensor instead of per output channel; external rows paired with the
-policy rows' log-probs; the external model drawn at the policy's precision.
+policy rows' log-probs; the external model drawn at the policy's precision; a format of
+tests/test_formats.py (float16, fp8 per tensor, e5m2, int8, int4, fp8 activations) or a KV
+cache precision that the sampler drops or applies to other matrices than the reference's.
 
-The reference: float32 teacher forcing (model.apply) for float32 samplers. For bf16 / fp8 the
-weights are rounded here (ml_dtypes; the per-output-channel e4m3 scales are written out below)
-and each response is teacher-forced through the KV-cache decode path, one row at a time (as
+The reference: float32 teacher forcing (model.apply) for float32 samplers. For the other
+formats the weights are rounded here (test_formats.ref_weights: a float64 numpy quantizer) and
+each response is teacher-forced through the KV-cache decode path, one row at a time (as
 each of the 8 fake devices decodes one row): bf16 activations round differently with another
 op order or batch shape (a full-sequence forward is ~1e-2 off; a batch of 8 rows on one device
 flips a few roundings; row by row agrees to ~4e-7). Low-precision cases still allow up to 10%
@@ -21,9 +23,9 @@ kept-support reference.
 """
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
+from test_formats import ref_weights
 from test_offpolicy_exact import _record_rollouts, _start
 from test_sampler import _np_kept
 from test_train import tiny_config
@@ -35,40 +37,12 @@ from ess_jax.rl import train
 
 _apply = jax.jit(model.apply, static_argnums=0)
 _forward = jax.jit(model.forward, static_argnums=0)
-_FP8_INPUT_AXES = {
-    "q": (0,),
-    "k": (0,),
-    "v": (0,),
-    "o": (0, 1),
-    "gate": (0,),
-    "up": (0,),
-    "down": (0,),
-}
-_E4M3_MAX = 448.0
 GROUP = 4
+# the sampler's compute per format: (dtype, fp8 activations)
+_COMPUTE = {"float16": ("float16", False), "fp8_act": ("bfloat16", True)}
 
 
-def _low_precision(params, precision):
-    """Sampler-side weights: matrices in bf16; fp8 block matrices e4m3 with one float32 scale
-    per output channel (amax / 448), dequantised to bf16; norm vectors stay float32."""
-
-    def leaf(path, x):
-        x = np.asarray(x, np.float32)
-        name = getattr(path[-1], "key", None)
-        if x.ndim < 2:
-            return x
-        if precision == "fp8" and name in _FP8_INPUT_AXES:
-            amax = np.abs(x).max(axis=_FP8_INPUT_AXES[name], keepdims=True)
-            # amax * fl(1/448), not amax / 448: XLA rewrites a division by a constant into a
-            # product with its float32 reciprocal, and a scale 1 ulp off flips bf16 roundings.
-            scale = np.where(amax > 0, amax * np.float32(1 / _E4M3_MAX), 1.0).astype(np.float32)
-            x = (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
-        return x.astype(ml_dtypes.bfloat16)
-
-    return jax.tree_util.tree_map_with_path(leaf, params)
-
-
-def _decode_logits(cfg, params, tokens, attn_mask, prompt_len, resp_len):
+def _decode_logits(cfg, params, tokens, attn_mask, prompt_len, resp_len, kv="compute"):
     """Teacher-forced logits [B, T, V] through the KV cache, prompt left-padded to the
     sampler's bucket (the next power of two, at least 16)."""
     b = tokens.shape[0]
@@ -77,7 +51,8 @@ def _decode_logits(cfg, params, tokens, attn_mask, prompt_len, resp_len):
     prompt, pmask = np.pad(tokens[:, :prompt_len], pad), np.pad(attn_mask[:, :prompt_len], pad)
     kv_mask = np.concatenate([pmask, np.ones((b, resp_len), bool)], 1)
     pos = np.asarray(model.positions_from_mask(pmask))[:, -1] + 1
-    cache = kv_cache.init_cache(cfg, b, bucket + resp_len)
+    fp8, dtype = kv == "fp8", None if kv in ("compute", "fp8") else kv
+    cache = kv_cache.init_cache(cfg, b, bucket + resp_len, dtype, fp8=fp8)
     logits, cache = _forward(
         cfg, params, prompt, model.positions_from_mask(pmask), kv_mask, cache, 0
     )
@@ -89,15 +64,19 @@ def _decode_logits(cfg, params, tokens, attn_mask, prompt_len, resp_len):
     return np.stack(out, 1)
 
 
-def _behaviour_logits(cfg, params, precision, r):
+def _behaviour_logits(cfg, params, precision, r, kv="compute"):
     """Logits predicting each response token, as the behaviour model computes them (float64)."""
     t = r.behaviour_logp.shape[1]
-    if precision == "float32":
+    if precision == "float32" and kv == "compute":
         logits = np.asarray(_apply(cfg, params, r.tokens, r.attn_mask), np.float64)
         return logits[:, r.prompt_len - 1 : -1]
-    lp, bf16 = _low_precision(params, precision), cfg.replace(dtype="bfloat16")
+    if precision == "float32":
+        lp, low = params, cfg
+    else:
+        dtype, act = _COMPUTE.get(precision, ("bfloat16", False))
+        lp, low = ref_weights(params, precision), cfg.replace(dtype=dtype, activation_fp8=act)
     rows = [
-        _decode_logits(bf16, lp, r.tokens[i : i + 1], r.attn_mask[i : i + 1], r.prompt_len, t)
+        _decode_logits(low, lp, r.tokens[i : i + 1], r.attn_mask[i : i + 1], r.prompt_len, t, kv)
         for i in range(r.tokens.shape[0])
     ]
     return np.concatenate(rows)
@@ -134,6 +113,7 @@ def _step_with_knobs(knob_run, monkeypatch, **knobs):
     run = knob_run["run"]
     rcfg = run.rollout_cfg.copy_and_resolve_references()
     defaults = dict(temperature=1.0, top_k=0, top_p=1.0, precision="float32")
+    defaults.update(kv_cache_precision="compute")
     defaults.update(external_fraction=0.0, external_precision="float32")
     for key, value in {**defaults, **knobs}.items():
         rcfg[key] = value
@@ -158,6 +138,10 @@ CASES = {
     "external_fp8_policy_f32": dict(
         external_fraction=0.5, precision="float32", external_precision="fp8"
     ),
+    **{f: dict(precision=f) for f in ("fp8_e4m3_tensor", "fp8_e5m2", "int4", "fp8_act")},
+    # a KV cache precision rides along with a format: one sampler compile for both
+    "float16_kv_bfloat16": dict(precision="float16", kv_cache_precision="bfloat16"),
+    "int8_kv_fp8": dict(precision="int8", kv_cache_precision="fp8"),
 }
 
 
@@ -180,7 +164,8 @@ def test_recorded_log_ratio_equals_teacher_forced_behaviour(knob_run, monkeypatc
         (ext_rows, knob_run["external"], knobs.get("external_precision", "float32")),
     ):
         if rows.any():
-            logits = _behaviour_logits(run.model_cfg, params_b, precision, r)
+            kv = knobs.get("kv_cache_precision", "compute")
+            logits = _behaviour_logits(run.model_cfg, params_b, precision, r, kv)
             scaled[rows] = logits[rows] / knobs.get("temperature", 1.0)
     keep, margin = _np_kept(scaled, knobs.get("top_k", 0), knobs.get("top_p", 1.0))
     top = scaled.max(-1, keepdims=True)
@@ -198,6 +183,7 @@ def test_recorded_log_ratio_equals_teacher_forced_behaviour(knob_run, monkeypatc
     err = np.where(ok, np.abs(recorded - expected), 0.0)
     agree = ok & (err <= 2e-5)
     low_precision = {knobs.get("precision"), knobs.get("external_precision")} - {None, "float32"}
+    low_precision |= {knobs.get("kv_cache_precision")} - {None, "compute"}
     if low_precision:  # see the module docstring: a rare bf16 rounding flip is allowed
         assert agree.sum() >= 0.9 * ok.sum() and err.max() <= 0.02, (case, err[ok])
     else:

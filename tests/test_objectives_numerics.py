@@ -395,7 +395,7 @@ def test_rl_step_shuffles_by_seed_and_update_count(monkeypatch, scope, m, shuffl
 
     seen = {}
 
-    def spy(logp_fn, params, batch, config, num_microbatches, key=None, row_blocks=1):
+    def spy(logp_fn, params, batch, config, num_microbatches, key=None, row_blocks=1, **_):
         seen["row_blocks"] = row_blocks
         data = jnp.zeros(2, jnp.uint32) if key is None else jax.random.key_data(key)
         return jnp.float32(0.0), jax.tree.map(jnp.zeros_like, params), {"key": data}

@@ -31,6 +31,9 @@ TRAIN_CASES = [  # devices, rows (global), prompt width, response tokens, logits
     # (On 1 device the chunked step's estimate runs ~35% high with or without it: not a case.)
     dict(devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="float32", full=True),
     dict(devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="bfloat16", full=True),
+    # model.lora: a frozen base (TrainState.frozen), adapters and their AdamW state only
+    dict(devices=1, rows=2, prompt=32, response=224, chunk=0, dtype="float32", lora=8),
+    dict(devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="float32", lora=8),
 ]
 SAMPLE_CASES = [  # devices, prompts, samples per prompt, bucketed prompt width, new tokens
     dict(devices=1, prompts=4, samples=3, prompt=128, new=96, chunk=0, precision="float32"),
@@ -55,19 +58,23 @@ def _train_case(case):
     from ess_jax import objectives as O
     from ess_jax.memory import planner as memory
     from ess_jax.model import decoder as model
+    from ess_jax.model import lora
     from ess_jax.parallel import sharding
     from ess_jax.rl import steps
     from ess_jax.rl.optim import make_optimizer
     from ess_jax.sampling import rescore
 
     model_cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
+    if case.get("lora"):
+        model_cfg = lora.with_lora(model_cfg, case["lora"], 16.0, lora.TARGETS)
     mesh = sharding.make_mesh({"fsdp": case["devices"]}, jax.devices()[: case["devices"]])
     tx = make_optimizer(OPTIM)
     with_sh = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     params = jax.tree.map(
         with_sh, model.abstract_params(model_cfg), model.param_shardings(model_cfg, mesh, "train")
     )
-    state, state_sh = _abstract_state(params, tx)
+    frozen, trained = lora.split(params) if case.get("lora") else (None, params)
+    state, state_sh = _abstract_state(trained, tx, frozen)
     b, p, t = case["rows"], case["prompt"], case["prompt"] + case["response"]
     bsh = sharding.batch_sharding(mesh)
     batch = {"tokens": jnp.int32, "attn_mask": bool, "mask": jnp.float32,
@@ -99,7 +106,7 @@ def _train_case(case):
     }
 
 
-def _abstract_state(params, tx):
+def _abstract_state(params, tx, frozen=None):
     import jax
     import optax
 
@@ -113,7 +120,7 @@ def _abstract_state(params, tx):
     )
     opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt, opt_sh)
     scalar = jax.ShapeDtypeStruct((), "int32", sharding=rep)
-    state = steps.TrainState(params, opt, scalar, scalar)
+    state = steps.TrainState(params, opt, scalar, scalar, frozen)
     return state, jax.tree.map(lambda x: x.sharding, state)
 
 
@@ -264,3 +271,70 @@ def test_plan_counts_the_full_kl_rescore():
     assert train["behaviour params copy"] == full.resident["params (f32)"]
     extra = full.phase_total("train step") - base.phase_total("train step")
     assert extra == pytest.approx(want + full.resident["params (f32)"])
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "fp8", "fp8_e4m3_tensor", "int8", "int4"])
+def test_sampler_copy_bytes_per_format(fmt):
+    """Catches a format the planner counts as another (int4 as a byte per weight, a per-tensor
+    scale counted per channel, a quantized format falling back to bfloat16's two bytes): the
+    planner's bytes equal those of the copy precision.prepare_params builds (jax.eval_shape),
+    int4 counted packed at half a byte, on one device and split over tensor=2."""
+    import jax
+    import numpy as np
+
+    from ess_jax.memory import planner as memory
+    from ess_jax.model import decoder as model
+    from ess_jax.sampling import precision
+
+    cfg = model.ModelConfig(**MODEL)
+    copy = jax.eval_shape(precision.prepare_fn(fmt), model.abstract_params(cfg))
+    leaves = jax.tree.leaves(copy)
+    nbytes = sum(
+        x.size * (0.5 if x.dtype == jax.numpy.int4 else np.dtype(x.dtype).itemsize) for x in leaves
+    )
+    one = memory.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+    assert memory.sampler_copy_bytes(cfg, one, fmt) == int(nbytes)
+    two = memory.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 2})
+    assert memory.sampler_copy_bytes(cfg, two, fmt) < 0.75 * nbytes  # the matrices are split
+
+
+@pytest.mark.parametrize("fmt,kv", [("bfloat16", "compute"), ("float32", "bfloat16"),
+                                    ("bfloat16", "fp8"), ("float32", "compute")])  # fmt: skip
+def test_kv_cache_bytes_per_precision(fmt, kv):
+    """Catches a planner that ignores rollout.kv_cache_precision or counts an fp8 cache
+    without its per-token scales: its KV cache bytes equal those of the decode state's cache
+    (the prefill's, grown to the whole length; jax.eval_shape, nothing compiled), and a
+    plan with kv_cache_precision fp8 holds (1 + 4 / K) / 2 of the bfloat16 cache's bytes."""
+    import jax
+    import jax.numpy as jnp
+
+    from configs.paper import e1_clip_sweep
+    from ess_jax.memory import planner as memory
+    from ess_jax.model import decoder as model
+    from ess_jax.model import kv_cache
+    from ess_jax.sampling import decode, precision
+
+    cfg = model.ModelConfig(**MODEL)
+    scfg = precision.sample_config(cfg, fmt)
+    st = decode.Static(max_new_tokens=96, num_samples=3, greedy=False, top_k=0, use_top_p=False,
+                       stop_ids=(), pad_id=0, kv_cache=kv)  # fmt: skip
+    params = jax.eval_shape(precision.prepare_fn(fmt), model.abstract_params(cfg))
+    toks = jax.ShapeDtypeStruct((4, 128), jnp.int32)
+    state = jax.eval_shape(
+        lambda p, t, m: decode.prefill(p, t, m, jax.random.key(0), 1.0, 1.0, cfg=scfg, st=st,
+                                       mesh=None),  # fmt: skip
+        params, toks, jax.ShapeDtypeStruct((4, 128), bool),
+    )  # fmt: skip
+    grown = jax.eval_shape(lambda c: [kv_cache.grow_layer(x, 128 + 96) for x in c], state.cache)
+    want = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(grown))
+    one = memory.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+    got = memory.sampler_terms(scfg, one, 4, 3, 128, 96, fmt, kv)["kv_cache"]
+    assert got == pytest.approx(want)
+
+    c = e1_clip_sweep.get_config("p3o,v5p-8")
+    base = memory.plan(c, 4, "v5p").phases["sample"]["kv_cache"]
+    c.rollout.kv_cache_precision = "fp8"
+    fp8 = memory.plan(c, 4, "v5p").phases["sample"]["kv_cache"]
+    head_dim = 128  # Qwen3-4B
+    assert c.rollout.precision == "bfloat16"
+    assert fp8 == pytest.approx(base * (1 + 4 / head_dim) / 2)

@@ -433,7 +433,7 @@ def test_fp8_quantisation_is_per_output_channel(tiny):
     cfg, params = tiny
     q = precision.prepare_fn("fp8")(params)
     attn = q["layers"][0]["attn"]
-    assert attn["q"]["w8"].dtype == jnp.float8_e4m3fn
+    assert attn["q"]["codes"].dtype == jnp.float8_e4m3fn
     assert attn["q"]["scale"].shape == (1, H, K) and attn["o"]["scale"].shape == (1, 1, D)
     assert q["layers"][0]["mlp"]["down"]["scale"].shape == (1, D)
     assert q["embed"].dtype == jnp.bfloat16 and q["final_norm"].dtype == jnp.float32
@@ -475,7 +475,7 @@ def test_rejects_right_padding_and_bad_precision(tiny):
     with pytest.raises(ValueError, match="left-padded"):
         sampler.sample(cfg, params, PROMPTS, PMASK[:, ::-1], sc, jax.random.key(0))
     with pytest.raises(ValueError, match="precision"):
-        sampler.sample(cfg, params, PROMPTS, PMASK, sc, jax.random.key(0), precision="int4")
+        sampler.sample(cfg, params, PROMPTS, PMASK, sc, jax.random.key(0), precision="fp4")
     with pytest.raises(ValueError):
         sampler.SamplingConfig(top_p=0.0)
     assert sampler.bucket_length(5) == 16 and sampler.bucket_length(17) == 32

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from configs import quickstart
+from ess_jax import objectives as O
 from ess_jax.io import weights
 from ess_jax.model import decoder as model
 from ess_jax.objectives import scopes as A
@@ -68,6 +69,7 @@ def test_full_loop_writes_metrics_checkpoint_png_and_resumes_exactly(tmp_path):
         "loss",
         "grad_norm",
         "tokens_per_s",
+        *O.MISMATCH_KEYS,  # the first update's train/sampler mismatch, in every row
     ):
         assert all(np.isfinite(r[key]) for r in steps), key
     assert os.listdir(full / "checkpoints")

@@ -34,6 +34,8 @@ def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
 
 
 def main(argv=None) -> None:
+    from ess_jax.config.domains import PRECISIONS  # no jax: --help stays instant
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--checkpoint",
@@ -46,7 +48,7 @@ def main(argv=None) -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--num-samples", type=int, default=1)
-    ap.add_argument("--precision", default="float32", choices=("float32", "bfloat16", "fp8"))
+    ap.add_argument("--precision", default="float32", choices=PRECISIONS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument(

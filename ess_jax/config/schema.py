@@ -1,6 +1,6 @@
 """Config checks that need no jax: each numeric field's domain, required fields, the values of
-fixed-choice string fields, field names, and the rollouts whose pi_b objective.kl_estimator
-"full" cannot re-score exactly.
+fixed-choice string fields (the tables of both: domains.py), field names, the rules between
+fields, and the rollouts whose pi_b objective.kl_estimator "full" cannot re-score exactly.
 
 `check(config)` runs first in `experiment.validate`, and in `main` before jax is even imported,
 so `--config.optim.lr=-0.5` fails in well under a second, before the workdir is touched, with
@@ -10,14 +10,15 @@ file, gets the closest valid one (or the field a name from another framework mea
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import numbers
 from collections.abc import Iterable
-from typing import Any
 
 from ess_jax.config import names
 from ess_jax.config.defaults import base_config
+from ess_jax.config.domains import (
+    CHOICES,
+    DOMAINS,
+    LORA_TARGETS,
+)
 from ess_jax.config.names import as_dict, leaves, unknown_field
 
 
@@ -32,146 +33,6 @@ class ConfigError(UserError, ValueError):
 
 def fail(path: str, msg: str):
     raise ConfigError(f"config.{path}: {msg}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Domain:
-    """An interval of numbers (integers only with `integer`); `optional`: None is allowed (the
-    field's own default); `also`: extra allowed values outside the interval (mesh's -1)."""
-
-    lo: float = -math.inf
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-    integer: bool = False
-    optional: bool = False
-    also: tuple = ()
-
-    def contains(self, v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            return False
-        if self.integer and not isinstance(v, numbers.Integral):
-            return False
-        if v in self.also:
-            return True
-        v = float(v)
-        if not math.isfinite(v):
-            return False
-        above = v > self.lo if self.lo_open else v >= self.lo
-        below = v < self.hi if self.hi_open else v <= self.hi
-        return above and below
-
-    def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
-        if self.hi == math.inf and self.lo == -math.inf:
-            text = f"{kind} (finite)"
-        elif self.hi == math.inf:
-            text = f"{kind} {'>' if self.lo_open else '>='} {self.lo:g}"
-        else:
-            left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
-            text = f"{kind} in {left}{self.lo:g}, {self.hi:g}{right}"
-        return text + "".join(f" or {a}" for a in self.also) + (" or None" * self.optional)
-
-
-def _ints(lo: int, **kw) -> Domain:
-    return Domain(lo=lo, integer=True, **kw)
-
-
-_POS = Domain(lo=0.0, lo_open=True)  # > 0
-_NONNEG = Domain(lo=0.0)  # >= 0
-_UNIT = Domain(lo=0.0, hi=1.0)  # [0, 1]
-_UNIT_OPEN_HI = Domain(lo=0.0, hi=1.0, hi_open=True)  # [0, 1)
-_MESH = _ints(1, also=(-1,))  # -1: all remaining devices
-
-# Every int / float field of defaults.base_config (a test keeps this table complete). Sequences
-# (data.buckets, rollout.stop_ids) are checked element by element. task.difficulty is the task's
-# own (checked by constructing the task in experiment.validate).
-DOMAINS: dict[str, Domain] = {
-    "seed": _ints(0),
-    "mesh.data": _MESH,
-    "mesh.fsdp": _MESH,
-    "mesh.tensor": _MESH,
-    "model.logits_chunk": _ints(0),
-    "model.hidden_size": _ints(1),
-    "model.intermediate_size": _ints(1),
-    "model.num_layers": _ints(1),
-    "model.num_heads": _ints(1),
-    "model.num_kv_heads": _ints(1),
-    "model.head_dim": _ints(1),
-    "model.rope_theta": _POS,
-    "model.init_seed": _ints(0),
-    "task.num_train": _ints(0),  # 0: all
-    "task.num_test": _ints(0),
-    "data.prompts_per_step": _ints(1),
-    "data.buckets": _ints(1),
-    "rollout.group_size": _ints(1),
-    "rollout.max_new_tokens": _ints(1),
-    "rollout.temperature": _NONNEG,  # 0: greedy
-    "rollout.top_k": _ints(0),  # 0: off
-    "rollout.top_p": Domain(lo=0.0, hi=1.0, lo_open=True),
-    "rollout.lag": _ints(0),
-    "rollout.external_fraction": _UNIT_OPEN_HI,
-    "rollout.stop_ids": _ints(0),
-    "rollout.overlong_buffer": _ints(0),
-    "rollout.sample_microbatches": _ints(1),
-    "rollout.max_resample_rounds": _ints(0),
-    "objective.constant_normalizer": _POS,
-    "objective.clip_eps_low": Domain(lo=0.0, optional=True),
-    "objective.clip_eps_high": Domain(lo=0.0, optional=True),
-    "objective.dual_kl_gate": _NONNEG,
-    "objective.behaviour_weight_cap": Domain(lo=0.0, lo_open=True, optional=True),
-    "objective.beta_kl": _NONNEG,
-    "objective.beta_ent": Domain(),  # a bonus (> 0) or a penalty (< 0)
-    "objective.is_cap": _POS,
-    "objective.is_cap_low": _NONNEG,
-    "objective.is_veto": _UNIT_OPEN_HI,
-    "objective.m2_threshold": _POS,
-    "optim.lr": _POS,
-    "optim.warmup_steps": _ints(0),
-    "optim.final_lr_fraction": _UNIT,
-    "optim.b1": _UNIT_OPEN_HI,
-    "optim.b2": _UNIT_OPEN_HI,
-    "optim.weight_decay": _NONNEG,
-    "optim.max_grad_norm": _NONNEG,  # 0: no clipping
-    "train.steps": _ints(0),
-    "train.updates_per_batch": _ints(1),
-    "train.num_microbatches": _ints(1),
-    "train.checkpoint_every": _ints(1),
-    "train.keep_checkpoints": _ints(1),
-    "sft.steps": _ints(0),
-    "sft.batch_size": _ints(1),
-    "sft.lr": _POS,
-    "sft.warmup_steps": _ints(0),
-    "sft.seq_len": _ints(1),
-    "sft.demo_noise": _UNIT,
-    "eval.every": _ints(0),  # 0: no eval
-    "eval.num_examples": _ints(0),  # 0: the whole held-out split
-    "eval.batch_size": _ints(1),
-    "eval.k": _ints(1),
-    "eval.temperature": _NONNEG,
-    "eval.max_new_tokens": _ints(1),
-}
-
-
-# ObjectiveConfig.ess_scope (meanings: ess_jax/objectives/scopes.py). Here,
-# not in objectives.py, so that the CLI refuses a bad name before jax is imported.
-ESS_SCOPES = ("step", "microbatch", "microbatch_local")
-
-# ModelConfig.attention_impl (meanings: ess_jax/model/decoder.py; "cudnn" also needs a CUDA backend,
-# checked in experiment.validate).
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
-
-# Sampler precisions (meanings: ess_jax/sampling/precision.py).
-PRECISIONS = ("float32", "bfloat16", "fp8")
-
-# String fields with a fixed set of values. Names with a registry of their own (objective.name,
-# task.name, task.reward) are checked by that registry in experiment.validate.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "objective.ess_scope": ESS_SCOPES,
-    "model.attention_impl": ATTENTION_IMPLS,
-    "rollout.precision": PRECISIONS,
-    "rollout.external_precision": PRECISIONS,
-}
 
 
 def check(config) -> None:
@@ -212,6 +73,7 @@ def check_rules(config) -> None:
             fail("model.num_kv_heads", f"{kv_heads} does not divide num_heads={heads}")
     if (v := get("model.attention_impl", "model.dtype")) and v[0] == "cudnn" and v[1] != "bfloat16":
         fail("model.attention_impl", f"'cudnn' needs model.dtype 'bfloat16', got {v[1]!r}")
+    _check_lora(get)
     if v := get("rollout.max_resample_rounds", "rollout.dynamic_sampling", "rollout.group_size"):
         rounds, dynamic, group = v
         if rounds and not dynamic:
@@ -223,6 +85,7 @@ def check_rules(config) -> None:
                 "resampling could never fill the batch",
             )
     _check_learnable(get)
+    _check_async(get)
     if v := get("rollout.external_fraction", "rollout.external_checkpoint", "rollout.group_size"):
         fraction, checkpoint, group = v
         if fraction > 0 and not checkpoint:
@@ -275,6 +138,34 @@ def _check_learnable(get) -> None:
         )
 
 
+def _check_async(get) -> None:
+    """train.mode "async" (ess_jax/rl/actor_learner.py): the sampler waits for a params push
+    when its next batch would be more than the lag budget behind, and pushes come every
+    train.sync_every steps, so a budget under sync_every - 1 would wait forever. The sync
+    loop's simulated lag, the "full" KL (pi_b's params per version) and LoRA adapters (the
+    push copies whole params) are refused with it."""
+    v = get("train.mode", "rollout.max_lag", "train.sync_every", "rollout.lag")
+    if not v or v[0] != "async":
+        return
+    _, max_lag, every, lag = v
+    if max_lag < every - 1:
+        fail(
+            "rollout.max_lag",
+            f"{max_lag} < train.sync_every - 1 = {every - 1}: with params pushed every {every} "
+            "steps the sampler would wait forever; raise max_lag or lower sync_every",
+        )
+    if lag:
+        fail("rollout.lag", "train.mode 'async' has real staleness: bound it with rollout.max_lag")
+    if (v := get("objective.kl_estimator")) and v[0] == "full":
+        fail(
+            "objective.kl_estimator",
+            "'full' re-scores pi_b from its params, which train.mode 'async' does not keep per "
+            "version: use k1/k2/k3",
+        )
+    if (v := get("model.lora.rank")) and v[0] > 0:
+        fail("model.lora.rank", "train.mode 'async' pushes whole params, not LoRA adapters: use 0")
+
+
 def check_full_kl(config) -> None:
     """objective.kl_estimator "full" re-scores pi_b's whole distribution in the train step
     (ess_jax/sampling/rescore.py). Refuse what cannot be re-scored exactly instead of
@@ -290,6 +181,12 @@ def check_full_kl(config) -> None:
     )
     if r.get("precision", "float32") != "float32":
         fail("rollout.precision", f"{r['precision']!r} {why}: {lowp}; use float32 or k1/k2/k3")
+    if r.get("kv_cache_precision", "compute") != "compute":
+        fail(
+            "rollout.kv_cache_precision",
+            f"{r['kv_cache_precision']!r} {why}: the decode reads keys and values rounded to it, "
+            "a full-sequence forward does not; use compute or k1/k2/k3",
+        )
     if r.get("external_fraction", 0) > 0 and r.get("external_precision", "float32") != "float32":
         fail(
             "rollout.external_precision",
@@ -320,6 +217,29 @@ def _check_values(config) -> None:
         for v in values:
             if not dom.contains(v):
                 fail(path, f"must be {dom.describe()}, got {value!r}")
+
+
+def lora_targets(value) -> tuple[str, ...]:
+    """model.lora.targets ("q,v", or a sequence of names) as a tuple of names."""
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(str(t).strip() for t in items if str(t).strip())
+
+
+def _check_lora(get) -> None:
+    if v := get("model.lora.dropout"):
+        if v[0]:
+            fail(
+                "model.lora.dropout",
+                f"{v[0]}: only 0 (dropout would make the trainer's log-probs differ from the "
+                "sampler's, and the on-policy ratio from 1)",
+            )
+    if v := get("model.lora.targets"):
+        targets = lora_targets(v[0])
+        bad = [t for t in targets if t not in LORA_TARGETS]
+        if bad or not targets:
+            fail("model.lora.targets", f"{bad or 'empty'}: a subset of {', '.join(LORA_TARGETS)}")
+    if (v := get("model.lora.rank", "train.mode")) and v[0] and v[1] == "async":
+        fail("model.lora.rank", "LoRA runs with train.mode 'sync' only")
 
 
 def check_names(config, paths: Iterable[str], what: str) -> None:

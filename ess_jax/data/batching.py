@@ -5,6 +5,7 @@ and resumable from a small JSON-able state that goes into checkpoints.
 Axis names: B batch, P prompt length (a bucket), L sequence length, G group size.
 """
 
+import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -162,6 +163,14 @@ class PromptBatcher:
     def restore(self, state: dict[str, Any]) -> None:
         """Continue the stream exactly where `state()` was taken."""
         self._order.restore(state)
+
+    def fork(self) -> "PromptBatcher":
+        """An independent stream at the same position, sharing the tokenized prompts (the
+        asynchronous sampler reads ahead on its own copy while the trainer's marks what it
+        has trained on)."""
+        other = copy.copy(self)
+        other._order = copy.deepcopy(self._order)
+        return other
 
 
 def repeat_for_group(x: Any, G: int) -> Any:

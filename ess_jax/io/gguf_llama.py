@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ess_jax.io.hf_layout import flat_abstract, hf_shape, placer, to_ours, unflatten, with_dtype
-from ess_jax.model.decoder import ModelConfig
+from ess_jax.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ess_jax.model import decoder as model_lib
-from ess_jax.model.decoder import ModelConfig, Params
+from ess_jax.model.config import ModelConfig
+from ess_jax.model.decoder import Params
 from ess_jax.parallel import sharding
 
 _LAYER_NAMES = {

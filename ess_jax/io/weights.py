@@ -30,7 +30,8 @@ from jax.sharding import Mesh
 
 from ess_jax.io import gguf_llama, hf_layout
 from ess_jax.io.gguf_llama import load_gguf, smollm2_gguf_path  # noqa: F401 (re-exported)
-from ess_jax.model.decoder import ModelConfig, Params
+from ess_jax.model.config import ModelConfig
+from ess_jax.model.decoder import Params
 
 log = logging.getLogger(__name__)
 

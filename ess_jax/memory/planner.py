@@ -39,11 +39,13 @@ from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the 
     sampler_copy_bytes,
     sampler_terms,
     train_terms,
+    trained_bytes,
     tree_bytes,
 )
 from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import experiment
+from ess_jax.rl import experiment, lora_policy
 
 
 def abstract_mesh(sizes: dict) -> AbstractMesh:
@@ -123,6 +125,7 @@ class Plan:
 def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Plan:
     """The memory plan of `config` on `num_devices` devices of kind `device` (a key of HBM),
     with the config's mesh or `mesh`."""
+    from ess_jax.sampling.precision import sample_config
     from ess_jax.sampling.sampler import bucket_length
 
     if device not in HBM:
@@ -130,23 +133,31 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     sizes = sharding_lib.mesh_shape(dict(mesh or config.mesh), num_devices)
     amesh = abstract_mesh(sizes)
     cfg = model_config(config.model)
+    rank, alpha, targets = lora_policy.lora_settings(config.model)
+    if rank:  # a frozen base and trained adapters; the sampler and eval run the merged model
+        cfg = lora.with_lora(cfg, rank, alpha, targets)
+    policy_cfg = lora.base_config(cfg)
     r, t = config.rollout, config.train
-    train_params = param_bytes(cfg, amesh, "train")
-    sample_params = param_bytes(cfg, amesh, "sample")
+    train_params = param_bytes(cfg, amesh, "train")  # LoRA: base and adapters
+    trained = trained_bytes(cfg, amesh)  # what the optimizer, history and snapshots hold
+    sample_params = param_bytes(policy_cfg, amesh, "sample")
     resident: dict[str, float] = {
         "params (f32)": train_params,
         "optimizer state": optimizer_bytes(cfg, amesh, config.optim.to_dict()),
     }
+    if rank:
+        resident = {"frozen base (f32)": train_params - trained, "adapters (f32)": trained}
+        resident["optimizer state"] = optimizer_bytes(cfg, amesh, config.optim.to_dict())
     # The policy history holds lag + 1 versions in the train layout, copies when lag > 0 (with
     # lag 0 the one version is the train params' own buffers).
     if r.lag:
-        resident[f"policy history ({r.lag + 1}x)"] = (r.lag + 1) * train_params
+        resident[f"policy history ({r.lag + 1}x)"] = (r.lag + 1) * trained
     ecfg = None
     if r.external_fraction > 0:
         ecfg = model_config(experiment.with_source(config.model, r.external_checkpoint))
         resident["external model (f32)"] = param_bytes(ecfg, amesh, "train")
     if config.objective.beta_kl > 0:
-        resident["reference params"] = train_params
+        resident["reference params"] = trained
 
     prompt_len = max(config.data.buckets)  # worst case: the widest prompt bucket
     seq_len = prompt_len + r.max_new_tokens
@@ -157,22 +168,25 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
         "train step": train_terms(cfg, amesh, rows, seq_len, n_full, r.max_new_tokens)
     }
     if full_kl and not r.lag and t.updates_per_batch > 1:  # steps.full_kl_inputs' copy
-        phases["train step"]["behaviour params copy"] = train_params
+        phases["train step"]["behaviour params copy"] = trained
 
     calls = int(r.get("sample_microbatches", 1))
     prompts = config.data.prompts_per_step // calls
     n_ext = round(r.external_fraction * r.group_size) if ecfg is not None else 0
     for name, mcfg, precision, n in (
-        ("sample", cfg, r.precision, r.group_size - n_ext),
+        ("sample", policy_cfg, r.precision, r.group_size - n_ext),
         ("sample external", ecfg, r.external_precision, n_ext),
     ):
         if mcfg is None or n == 0:
             continue
-        scfg = mcfg.replace(dtype="float32" if precision == "float32" else "bfloat16")
+        scfg = sample_config(mcfg, precision)
+        kv = r.get("kv_cache_precision", "compute")
         terms = sampler_terms(
-            scfg, amesh, prompts, n, bucket_length(prompt_len), r.max_new_tokens, precision
+            scfg, amesh, prompts, n, bucket_length(prompt_len), r.max_new_tokens, precision, kv
         )
-        gathered = param_bytes(mcfg, amesh, "sample") if sizes["fsdp"] > 1 else 0.0
+        # the sample-layout gather; with LoRA the policy's merged copy, on any mesh
+        merged = rank and mcfg is policy_cfg
+        gathered = param_bytes(mcfg, amesh, "sample") if sizes["fsdp"] > 1 or merged else 0.0
         phases[name] = {
             "sample-layout params (f32)": gathered,  # sampler.sample_layout, per collection
             f"sampler copy ({precision})": sampler_copy_bytes(mcfg, amesh, precision),
@@ -182,14 +196,14 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     e = config.eval
     if e.every:  # rl/heldout.py samples in float32 from a sample-layout copy of the params
         terms = sampler_terms(
-            cfg.replace(dtype="float32"), amesh, e.batch_size, e.k, bucket_length(prompt_len),
-            e.max_new_tokens, "float32",
+            policy_cfg.replace(dtype="float32"), amesh, e.batch_size, e.k,
+            bucket_length(prompt_len), e.max_new_tokens, "float32",
         )  # fmt: skip
         phases["eval"] = {
-            "eval params (f32)": sample_params if sizes["fsdp"] > 1 else 0.0,
+            "eval params (f32)": sample_params if sizes["fsdp"] > 1 or rank else 0.0,
             "kv_cache": terms["kv_cache"],
             "sampler_tmp": max(terms["prefill"], terms["decode"]),
         }
     if r.lag:
-        phases["history push"] = {"new version": train_params}
+        phases["history push"] = {"new version": trained}
     return Plan(device, sizes, resident, phases)

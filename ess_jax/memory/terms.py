@@ -17,7 +17,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import layers
+from ess_jax.model import layers, lora
 from ess_jax.sampling.decode import decode_bounds
 
 # XLA's bytes per unit of each term (module docstring): fitted to `compiled.memory_analysis()`
@@ -37,7 +37,7 @@ COEF = {
     "full_kl": 1.5,  # x r C V 4 per behaviour model: kl_estimator "full"'s re-score (1.0-2.0)
     # sampler
     "draw": 9.47,  # x rows V 4: one token's draw (logits, noise, log-softmax, ...)
-    "dequant": 1.34,  # x block weights in bfloat16 (fp8 sampler)
+    "dequant": 1.34,  # x block weights in bfloat16 (a quantized sampler format)
     "prefill_cache": 0.91,  # x the unique prompts' cache (before repeating it n times)
     "prefill_attn": 1.9,  # x uniq H C S 4: prefill attention scores
     "decode_attn": 3.19,  # x rows H S 4: one decode step's attention scores
@@ -65,10 +65,12 @@ def param_bytes(cfg, mesh, mode: str, dtype=None) -> int:
 
 def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
     """Per-device bytes of the sampler's low-precision copy (precision.prepare_params): matrices
-    in bfloat16, or fp8 block matrices (1 byte) with float32 per-channel scales; norm vectors
-    stay float32. float32 samples from the params themselves: no copy."""
-    from ess_jax.sampling.precision import FP8_INPUT_AXES
+    in 16 bits, or the block matrices as their format's codes (fp8 and int8 1 byte, int4 half a
+    byte, packed) with float32 scales, one per output channel or per tensor; norm vectors stay
+    float32. float32 samples from the params themselves: no copy."""
+    from ess_jax.sampling.precision import FORMATS, INPUT_AXES
 
+    fmt = FORMATS[precision]
     if precision == "float32":
         return 0
     total = 0.0
@@ -79,11 +81,21 @@ def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
         name = getattr(path[-1], "key", None)
         if x.ndim < 2:
             total += 4 * elems
-        elif precision == "fp8" and name in FP8_INPUT_AXES:
-            total += elems * (1 + 4 / math.prod(x.shape[i] for i in FP8_INPUT_AXES[name]))
+        elif fmt.codes is not None and name in INPUT_AXES:
+            per_scale = math.prod(x.shape[i] for i in INPUT_AXES[name])
+            scales = elems / per_scale if fmt.per_channel else 1
+            total += elems * fmt.code_bytes + 4 * scales
         else:
             total += 2 * elems
     return int(total)
+
+
+def kv_bytes_per_element(cfg, kv_cache: str = "compute") -> float:
+    """Bytes of one cached key or value element: the compute dtype's, bfloat16's, or fp8's one
+    byte plus its share of the float32 scale per token and kv head (model/kv_cache.py)."""
+    if kv_cache == "fp8":
+        return 1 + 4 / cfg.head_dim
+    return np.dtype(cfg.compute_dtype if kv_cache == "compute" else kv_cache).itemsize
 
 
 def embedding_bytes(cfg, mesh, dtype) -> int:
@@ -96,9 +108,29 @@ def embedding_bytes(cfg, mesh, dtype) -> int:
     )
 
 
+def trainable(cfg, tree):
+    """The part of a params-shaped tree the optimizer updates: all of it, or with LoRA
+    (cfg.lora_rank > 0) the adapters (model/lora.py `split`)."""
+    return lora.split(tree)[1] if cfg.lora_rank else tree
+
+
+def adapter_bytes(cfg, mesh) -> int:
+    """Per-device bytes of the LoRA adapters (float32, train layout); 0 without LoRA."""
+    if not cfg.lora_rank:
+        return 0
+    shardings = model_lib.param_shardings(cfg, mesh, "train")
+    return tree_bytes(trainable(cfg, model_lib.abstract_params(cfg)), trainable(cfg, shardings))
+
+
+def trained_bytes(cfg, mesh) -> int:
+    """Per-device bytes of what the optimizer updates (the params, or the LoRA adapters)."""
+    return adapter_bytes(cfg, mesh) if cfg.lora_rank else param_bytes(cfg, mesh, "train")
+
+
 def optimizer_bytes(cfg, mesh, optim: dict) -> int:
     """Per-device bytes of the AdamW state of `config.optim`: moments take their param's
-    layout (as steps.init_state places them), scalars are replicated."""
+    layout (as steps.init_state places them), scalars are replicated. With LoRA: the
+    adapters' state only."""
     from ess_jax.rl.optim import make_optimizer
 
     items = tuple(sorted(optim.items()))
@@ -109,7 +141,7 @@ def optimizer_bytes(cfg, mesh, optim: dict) -> int:
         tx,
         lambda _, s: s,
         opt,
-        model_lib.param_shardings(cfg, mesh, "train"),
+        trainable(cfg, model_lib.param_shardings(cfg, mesh, "train")),
         transform_non_params=lambda _: rep,
     )
     return tree_bytes(opt, opt_sh)
@@ -121,7 +153,7 @@ def optimizer_shapes(cfg, optim_items: tuple):
     from ess_jax.rl.optim import make_optimizer
 
     tx = make_optimizer({**dict(optim_items), "total_steps": 1})
-    return jax.eval_shape(tx.init, model_lib.abstract_params(cfg))
+    return jax.eval_shape(tx.init, trainable(cfg, model_lib.abstract_params(cfg)))
 
 
 def _div(n: int, mesh, axis: str) -> int:
@@ -151,7 +183,7 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     c = cfg.logits_chunk if 0 < cfg.logits_chunk < t else 0  # attention's query chunks
     c_head = cfg.logits_chunk if 0 < cfg.logits_chunk < s else 0  # the LM head's
     k = COEF
-    terms = {"update": k["update"] * param_bytes(cfg, mesh, "train")}
+    terms = {"update": k["update"] * trained_bytes(cfg, mesh)}  # LoRA: the adapters
     if mesh.shape["fsdp"] > 1:  # whole (tensor-sharded) weights in compute dtype
         full = param_bytes(cfg, mesh, "sample", cfg.compute_dtype)
         blocks = full - embedding_bytes(cfg, mesh, cfg.compute_dtype)
@@ -179,15 +211,23 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
 
 
 def sampler_terms(
-    cfg, mesh, prompts: int, samples: int, prompt_len: int, new_tokens: int, precision: str
+    cfg,
+    mesh,
+    prompts: int,
+    samples: int,
+    prompt_len: int,
+    new_tokens: int,
+    precision: str,
+    kv_cache: str = "compute",
 ) -> dict[str, float]:
     """Bytes of one sampler call (sampler.sample) on `prompts` prompts x `samples` samples, per
     device: the decode state's KV cache, and the transients of the prefill and of one decode
-    step. `cfg.dtype` is the sampler's compute dtype (the cache's); `prompt_len` the bucketed
-    prompt width. The prefill allocates the cache at the first decode segment's length; the
-    decode state's is the whole length by the last segment (decode.Decode grows it a layer at
-    a time, so beside it at most one layer of the shorter cache is alive: not counted)."""
-    b = np.dtype(cfg.compute_dtype).itemsize
+    step. `cfg.dtype` is the sampler's compute dtype, `kv_cache` the cache's precision
+    (`kv_bytes_per_element`); `prompt_len` the bucketed prompt width. The prefill allocates
+    the cache at the first decode segment's length; the decode state's is the whole length by
+    the last segment (decode.Decode grows it a layer at a time, so beside it at most one layer
+    of the shorter cache is alive: not counted)."""
+    b = kv_bytes_per_element(cfg, kv_cache)
     s = prompt_len + new_tokens
     n_kv = _div(cfg.num_kv_heads, mesh, "tensor")
     h = _div(cfg.num_heads, mesh, "tensor")
@@ -201,7 +241,8 @@ def sampler_terms(
     k = COEF
     draw = k["draw"] * rows * cfg.vocab_size * 4  # float32 logits, noise, log-softmax ...
     shared = draw
-    if precision == "fp8":  # block matrices dequantised to bfloat16 inside every forward
+    if precision not in ("float32", "bfloat16", "float16"):  # block matrices dequantised to
+        # bfloat16 inside every forward
         blocks = param_bytes(cfg, mesh, "sample") - embedding_bytes(cfg, mesh, jnp.float32)
         shared += k["dequant"] * blocks / 2
     return {

@@ -1,9 +1,9 @@
-"""The policy: a Flax NNX decoder of the Llama / Qwen2 / Qwen3 families (decoder.py) built from
-the layers in layers.py, its KV cache (kv_cache.py), and the teacher-forced log-probs the trainer
-differentiates (scoring.py)."""
+"""The policy: a Flax NNX decoder of the Llama / Qwen2 / Qwen3 families (decoder.py, its
+`ModelConfig` in config.py) built from the layers in layers.py, its KV cache (kv_cache.py), and
+the teacher-forced log-probs the trainer differentiates (scoring.py)."""
 
+from ess_jax.model.config import ModelConfig
 from ess_jax.model.decoder import (
-    ModelConfig,
     Params,
     abstract_params,
     forward,

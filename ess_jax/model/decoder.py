@@ -16,7 +16,6 @@ log-probs are `scoring.token_logprobs`):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -26,68 +25,21 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from ess_jax.config.schema import ATTENTION_IMPLS
-from ess_jax.model import kv_cache
+from ess_jax.model import kv_cache, lora
+from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import (
     apply_rope,
     attention,
     decode_attention,
     dense,
     fused_attention,
+    matmul_input,
     rms_norm,
     rope_inv_freq,
 )
 from ess_jax.parallel.sharding import BATCH, SAMPLE_RULES, TRAIN_RULES, tree_shardings
 
 Params = dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int = 256
-    hidden_size: int = 64  # D
-    intermediate_size: int = 128  # F
-    num_layers: int = 2  # L
-    num_heads: int = 4  # H
-    num_kv_heads: int = 2  # N
-    head_dim: int = 16  # K
-    rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # e.g. llama3 scaling, as items
-    rms_norm_eps: float = 1e-6
-    tie_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
-    max_position_embeddings: int = 4096
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16
-    family: str = "llama"  # llama | qwen2 | qwen3
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
-    # > 0: full-sequence forwards (the trainer's log-probs, the sampler's prefill) compute the
-    # LM head and the attention scores this many positions at a time, so neither [B, T, V]
-    # logits nor [B, H, T, S] scores exist at once; 0: all at once
-    logits_chunk: int = 0
-    # recompute each block in the backward pass (keeps only the [B, T, D] block inputs)
-    remat: bool = False
-    # attention of the several-query forwards (training, the prefill; decode steps always use
-    # layers.attention's one-query path): "einsum" (layers.attention, any backend), "cudnn"
-    # (jax.nn.dot_product_attention's fused kernel: NVIDIA GPUs, bf16) or "xla" (jax's
-    # reference path of the same call; layers.fused_attention)
-    attention_impl: str = "einsum"
-
-    def __post_init__(self):
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"ModelConfig.attention_impl: unknown {self.attention_impl!r}; "
-                f"one of {', '.join(ATTENTION_IMPLS)}"
-            )
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
-
-    def replace(self, **kw) -> ModelConfig:
-        return dataclasses.replace(self, **kw)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, scale: float) -> nnx.Param:
@@ -132,12 +84,14 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = _ones((k,), ("norm",))
             self.k_norm = _ones((k,), ("norm",))
+        self.lora = lora.make_adapters(cfg, lora.ATTENTION_TARGETS)
 
     def __call__(self, cfg, x_BxTxD, positions_BxT, kv_mask_BxS, cache, cache_index, attend_len):
         dt = cfg.compute_dtype
-        q = dense(x_BxTxD, self.q[...].astype(dt))
-        k = dense(x_BxTxD, self.k[...].astype(dt))
-        v = dense(x_BxTxD, self.v[...].astype(dt))
+        x_BxTxD = matmul_input(x_BxTxD, cfg.activation_fp8)
+        q = lora.project(cfg, self, "q", x_BxTxD)
+        k = lora.project(cfg, self, "k", x_BxTxD)
+        v = lora.project(cfg, self, "v", x_BxTxD)
         if cfg.qkv_bias:
             q, k, v = (
                 q + self.q_bias[...].astype(dt),
@@ -163,14 +117,15 @@ class Attention(nnx.Module):
             k_all, v_all, new_cache, query_idx, offset = k, v, None, jnp.arange(t), 0
         else:  # write this call's keys into the cache (keys transposed: kv_cache), in place
             new_cache = kv_cache.write(cache, k, v, cache_index)
-            k_all, v_all = new_cache["k"], new_cache["v"]
+            k_all, v_all = kv_cache.read(new_cache, dt)
             query_idx = cache_index + jnp.arange(t)
             if attend_len is not None:  # attend over the filled prefix of the cache only
                 k_all, v_all = k_all[..., :attend_len], v_all[:, :, :attend_len]
                 kv_mask_BxS = kv_mask_BxS[:, :attend_len]
             if t == 1:  # a decode step
                 out = decode_attention(q[:, 0], k_all, v_all, kv_mask_BxS, query_idx[0])
-                return dense(out.reshape(b, 1, h, kd), self.o[...].astype(dt), n_in=2), new_cache
+                out = matmul_input(out.reshape(b, 1, h, kd), cfg.activation_fp8, 2)
+                return lora.project(cfg, self, "o", out, n_in=2), new_cache
             k_all = k_all.transpose(0, 1, 3, 2)  # several queries (the prefill): [B, N, S, K]
 
         if t > 1 and (
@@ -184,8 +139,8 @@ class Attention(nnx.Module):
             )
         else:
             out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk, offset)
-        out = out.reshape(b, t, h, kd)
-        return dense(out, self.o[...].astype(dt), n_in=2), new_cache
+        out = matmul_input(out.reshape(b, t, h, kd), cfg.activation_fp8, 2)
+        return lora.project(cfg, self, "o", out, n_in=2), new_cache
 
 
 class MLP(nnx.Module):
@@ -194,12 +149,14 @@ class MLP(nnx.Module):
         self.gate = _param(rngs, (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
         self.up = _param(rngs, (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
         self.down = _param(rngs, (f, d), ("mlp", "embed"), 1.0 / math.sqrt(f))
+        self.lora = lora.make_adapters(cfg, lora.MLP_TARGETS)
 
     def __call__(self, cfg, x_BxTxD):
-        dt = cfg.compute_dtype
-        g = dense(x_BxTxD, self.gate[...].astype(dt))
-        u = dense(x_BxTxD, self.up[...].astype(dt))
-        return dense(jax.nn.silu(g) * u, self.down[...].astype(dt))
+        x_BxTxD = matmul_input(x_BxTxD, cfg.activation_fp8)
+        g = lora.project(cfg, self, "gate", x_BxTxD)
+        u = lora.project(cfg, self, "up", x_BxTxD)
+        h = matmul_input(jax.nn.silu(g) * u, cfg.activation_fp8)
+        return lora.project(cfg, self, "down", h)
 
 
 class Block(nnx.Module):

@@ -56,6 +56,36 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, out_dtype=None) -> jax.Arra
     return y.reshape(*lead, *outs)
 
 
+# float8_e4m3fn, the fp8 format of the sampler's activations and KV cache: largest finite 448.
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = float(jnp.finfo(E4M3).max)
+
+
+def e4m3_quantize(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """x as float8_e4m3fn codes and float32 scales, one per slice over `axes` (kept, size 1):
+    scale = max|x| / 448 over the slice (1 for an all-zero slice), codes = x / scale rounded to
+    nearest (ties to even) by the cast, so codes * scale ~ x with the slice's max exact."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    return (x32 / scale).astype(E4M3), scale
+
+
+def fp8_activation(x: jax.Array, n_in: int = 1) -> jax.Array:
+    """A matmul input rounded through float8_e4m3fn with one dynamic scale per row (max |x| over
+    its last `n_in` axes, the contraction axes, / 448), back in x's dtype: what an fp8 GEMM with
+    per-token activation scales sees of its input (the product then runs in x's dtype with
+    float32 accumulation)."""
+    codes, scale = e4m3_quantize(x, tuple(range(x.ndim - n_in, x.ndim)))
+    return (codes.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def matmul_input(x: jax.Array, fp8: bool, n_in: int = 1) -> jax.Array:
+    """A block matmul's input as the model computes with it: `fp8_activation` when `fp8` (the
+    ModelConfig's activation_fp8), else x unchanged."""
+    return fp8_activation(x, n_in) if fp8 else x
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     # Statistics in float32 whatever the compute dtype (HF does the same).
     x32 = x.astype(jnp.float32)

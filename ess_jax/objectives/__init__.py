@@ -14,10 +14,12 @@ from ess_jax.objectives.config import (
 )
 from ess_jax.objectives.core import (
     METRIC_KEYS,
+    MISMATCH_KEYS,
     NOMINAL_CLIP,
     STAT_KEYS,
     Batch,
     Metrics,
+    mismatch_metrics,
     step_statistics,
     token_counts,
 )
@@ -69,10 +71,12 @@ __all__ = [
     "SCOPES",
     "ObjectiveConfig",
     "METRIC_KEYS",
+    "MISMATCH_KEYS",
     "NOMINAL_CLIP",
     "STAT_KEYS",
     "Batch",
     "Metrics",
+    "mismatch_metrics",
     "step_statistics",
     "token_counts",
     "KL_ESTIMATORS",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ess_jax.config.schema import ESS_SCOPES
+from ess_jax.config.domains import ESS_SCOPES
 from ess_jax.objectives.kl import KL_ESTIMATORS, REF_KL_ESTIMATORS
 
 SCOPES = ESS_SCOPES  # meanings: scopes.py
@@ -59,6 +59,11 @@ class ObjectiveConfig:
     # m2po: tokens with the largest (log rho)^2 are masked until the rest's mean is below it
     # (AReaL's actor.m2_threshold, 0.04 in its gsm8k_m2po example).
     m2_threshold: float = 0.04
+    # vcpo (objectives/vcpo.py): lr x sqrt(min(1, (ESS / B) / vcpo_base_ess_ratio)) (their
+    # ess_scaling.base_ess_ratio: 1.0 in their math / gsm8k scripts, 0.55 multi-turn); the
+    # sequence IS weight truncated at vcpo_is_cap (their rollout_is_threshold, 8.0).
+    vcpo_base_ess_ratio: float = 1.0
+    vcpo_is_cap: float = 8.0
 
     def __post_init__(self):
         choices = {
@@ -87,6 +92,9 @@ class ObjectiveConfig:
             raise ValueError(f"need 0 <= is_veto < 1 (0: off), got is_veto={self.is_veto}")
         if self.m2_threshold <= 0:
             raise ValueError(f"m2_threshold must be > 0, got {self.m2_threshold}")
+        for field in ("vcpo_base_ess_ratio", "vcpo_is_cap"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ObjectiveConfig))

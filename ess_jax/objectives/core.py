@@ -54,9 +54,12 @@ METRIC_KEYS = (
     "nonfinite_frac",
     "loss",
 )
+# Train/sampler mismatch of a whole update batch (`mismatch_metrics`); rl/train.py reports a
+# batch's first update, where pi_theta is the policy that sampled it (with lag 0).
+MISMATCH_KEYS = ("logratio_p95", "logratio_max", "frac_outside_clip", "seq_logratio_mean")
 # How metrics of micro-batches combine (scopes.combine_metrics); all other keys are additive.
 MAX_METRICS = ("ratio_max", "rescore_err")
-CONST_METRICS = ("ess", "ess_prox", "ess_mix")
+CONST_METRICS = ("ess", "ess_prox", "ess_mix", "ess_seq", "lr_scale")
 
 # ------------------------------------------------------------------ step statistics
 
@@ -112,6 +115,42 @@ def step_statistics(logp_BxT: jax.Array, batch: Batch) -> dict[str, jax.Array]:
     if "prox_logp" in batch:
         stats["ess_prox"] = effective_sample_size(logp - batch["prox_logp"], keep)
     return stats
+
+
+def masked_percentile(x_BxT: jax.Array, keep_BxT: jax.Array, q: float) -> jax.Array:
+    """The q-th percentile of x over the kept entries, exactly as numpy's default (linear
+    interpolation between the two nearest ranks); 0 when nothing is kept. One sort of the
+    B x T entries."""
+    n = jnp.sum(keep_BxT, dtype=jnp.int32)
+    flat = jnp.where(keep_BxT, x_BxT.astype(jnp.float32), -jnp.inf).reshape(-1)
+    ordered = jnp.sort(flat)  # the dropped entries (-inf) first
+    pos = (q / 100.0) * jnp.maximum(n - 1, 0).astype(jnp.float32)
+    lo = jnp.floor(pos).astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
+    start = flat.shape[0] - n
+    v_lo, v_hi = ordered[start + lo], ordered[start + hi]
+    value = v_lo + (pos - lo.astype(jnp.float32)) * (v_hi - v_lo)
+    return jnp.where(n > 0, value, 0.0)
+
+
+def mismatch_metrics(logp_BxT: jax.Array, batch: Batch) -> dict[str, jax.Array]:
+    """How far the trainer's log-probs are from the recorded pi_b on the batch's kept tokens:
+    logratio_p95 and logratio_max of |log(pi_theta / pi_b)|, frac_outside_clip (the share of
+    the loss mask's tokens with the ratio outside [0.8, 1.2], NOMINAL_CLIP) and
+    seq_logratio_mean (a sequence's summed log-ratio, the log of its sequence-level ratio,
+    averaged over sequences). Statistics only: no gradient flows through them."""
+    logp = jax.lax.stop_gradient(logp_BxT).astype(jnp.float32)
+    keep = kept_mask(logp, batch)
+    log_ratio = jnp.where(keep, logp - batch["behaviour_logp"].astype(jnp.float32), 0.0)
+    counts = token_counts(batch)
+    rho = ratio(log_ratio)
+    outside = keep & ((rho > 1.0 + NOMINAL_CLIP) | (rho < 1.0 - NOMINAL_CLIP))
+    return {
+        "logratio_p95": masked_percentile(jnp.abs(log_ratio), keep, 95.0),
+        "logratio_max": jnp.max(jnp.abs(log_ratio)),
+        "frac_outside_clip": jnp.sum(outside) / jnp.maximum(counts["num_tokens"], 1.0),
+        "seq_logratio_mean": jnp.sum(log_ratio) / jnp.maximum(counts["num_seqs"], 1.0),
+    }
 
 
 # ------------------------------------------------------------ shared objective parts

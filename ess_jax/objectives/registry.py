@@ -3,9 +3,11 @@
 `OBJECTIVES[name]` is an `Objective`: the loss function (losses.py), whether its batch needs the
 proximal snapshot (`prox_logp`: the policy re-scored by the trainer before the first update on
 a rollout batch), whether its loss reads the step ESS (then ess_scope "step" runs a statistics
-pass before the gradients, scopes.py), its paper clip range, and the ObjectiveConfig fields its
-loss reads beyond the shared ones. `objective_config` builds an ObjectiveConfig from the
-experiment config's `objective` section and refuses what no record allows.
+pass before the gradients, scopes.py), a pass of its own over the batch before the gradients
+(`batch_pass`: vcpo's per-sequence gradient norms and baseline), its paper clip range, and the
+ObjectiveConfig fields its loss reads beyond the shared ones. `objective_config` builds an
+ObjectiveConfig from the experiment config's `objective` section and refuses what no record
+allows.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from typing import Any
 
 import jax
 
-from ess_jax.objectives import losses
+from ess_jax.objectives import losses, vcpo
 from ess_jax.objectives.config import FIELDS, FULL_KL, ObjectiveConfig
 from ess_jax.objectives.core import Batch, Metrics
 
 Loss = Callable[[jax.Array, Batch, ObjectiveConfig], tuple[jax.Array, Metrics]]
+# (logp_fn, params, rows, config, num_microbatches, group_size) -> (rows, shared scalars) added
+# to the optimizer batch before the gradients (vcpo.batch_pass)
+BatchPass = Callable[..., tuple[Batch, Batch]]
 # Fields every loss reads (core.prepare / core.finish) or the step reads (ess_scope).
 SHARED_FIELDS = (
     "name",
@@ -49,6 +54,9 @@ class Objective:
     paper_clips: tuple[float, float] = (0.2, 0.2)  # clip_eps_low / high when not given
     # Why kl_estimator "full" is refused ("" = accepted); the default names the missing term.
     no_full_kl: str | None = None
+    # A pass over the whole optimizer batch before any gradient, in rollout row order (groups
+    # of G consecutive rows), whose outputs join the batch (scopes.step_loss_and_grad).
+    batch_pass: BatchPass | None = None
 
     def __post_init__(self):
         unknown = set(self.fields) - set(FIELDS)
@@ -93,6 +101,12 @@ OBJECTIVES: dict[str, Objective] = _records(
     Objective("grpo_tis", losses.grpo_tis, fields=(*_CLIPS, *_IS), needs_prox=True),
     Objective("grpo_mis", losses.grpo_mis, fields=(*_CLIPS, *_IS, "is_cap_low"), needs_prox=True),
     Objective("m2po", losses.m2po, fields=("m2_threshold",)),
+    Objective(
+        "vcpo",
+        vcpo.vcpo,
+        fields=("vcpo_base_ess_ratio", "vcpo_is_cap"),
+        batch_pass=vcpo.batch_pass,
+    ),
     Objective("reinforce", losses.reinforce),
 )
 

@@ -41,6 +41,7 @@ from ess_jax.objectives.core import (
     STAT_KEYS,
     Batch,
     Metrics,
+    mismatch_metrics,
     step_statistics,
     token_counts,
 )
@@ -80,6 +81,7 @@ def step_loss_and_grad(
     num_microbatches: int = 1,
     key: jax.Array | None = None,
     row_blocks: int = 1,
+    group_size: int | None = None,
 ) -> tuple[jax.Array, Any, Metrics]:
     """Loss, gradient and metrics of one optimizer batch, accumulated over micro-batches.
 
@@ -90,6 +92,10 @@ def step_loss_and_grad(
     ObjectiveConfig.ess_scope picks `_step_scope`, `_microbatch_scope` or `_local_scope`.
     `key` (a PRNG key; None: no shuffle) and `row_blocks` (the batch's shards along its rows)
     shuffle the rows before the split in the micro-batch scopes with M > 1 (`shuffle_rows`).
+    An objective whose record has a `batch_pass` (vcpo) first runs it on the whole batch, in
+    rollout row order (`group_size` consecutive rows per prompt); its rows and scalars join the
+    batch. The metrics include `core.mismatch_metrics` of the whole batch (one sort of its
+    B x T log-ratios: the micro-batches' log-probs are kept for it).
     """
     m = num_microbatches
     batch_size = batch["mask"].shape[0]
@@ -101,13 +107,19 @@ def step_loss_and_grad(
     }
     rows = {k: v for k, v in batch.items() if jnp.ndim(v) > 0}
     acc = _Accumulator(logp_fn, get_objective(config.name), config, params)
+    if acc.objective.batch_pass is not None:
+        added_rows, added_shared = acc.objective.batch_pass(
+            logp_fn, params, rows, config, m, group_size
+        )
+        rows, shared = {**rows, **added_rows}, {**shared, **added_shared}
     if m == 1:  # one micro-batch: the objective's own statistics are the step's
-        (loss, (metrics, _)), grads = acc.grad_fn(params, {**rows, **shared})
-        return loss, grads, metrics
+        (loss, (metrics, logp)), grads = acc.grad_fn(params, {**rows, **shared})
+        return loss, grads, {**metrics, **mismatch_metrics(logp, rows)}
     if key is not None and config.ess_scope in SHUFFLED_SCOPES:
         rows = shuffle_rows(rows, key, row_blocks)
     scope = {"step": _step_scope, "microbatch": _microbatch_scope, "microbatch_local": _local_scope}
-    return scope[config.ess_scope](acc, rows, shared, m)
+    loss, grads, metrics, logp_M = scope[config.ess_scope](acc, rows, shared, m)
+    return loss, grads, {**metrics, **mismatch_metrics(_merge(logp_M), rows)}
 
 
 def row_permutation(key: jax.Array, batch_size: int, row_blocks: int = 1) -> jax.Array:
@@ -158,33 +170,35 @@ def _step_scope(acc: _Accumulator, rows: Batch, shared: Batch, m: int):
         ess_after = tuple(k for k in ("ess", "ess_prox") if k in needed and k not in shared)
         shared = {**token_counts(rows), **shared}
     init = None if reused is None else reused[2]
-    grads, loss_M, metrics_M, logp_M = acc.scan(micro, shared, init, keep_logp=bool(ess_after))
+    grads, loss_M, metrics_M, logp_M = acc.scan(micro, shared, init)
     if reused is not None:  # the last micro-batch, back in its place
         loss_M = jnp.append(loss_M, reused[0])
         metrics_M = jax.tree.map(lambda a, b: jnp.append(a, b[None], axis=0), metrics_M, reused[1])
+        logp_M = jnp.concatenate([logp_M, reused[3][None]])
     metrics = combine_metrics(metrics_M, "step")
     if ess_after:  # the step's ESS, as the statistics pass would have given it
         stats = step_statistics(_merge(logp_M), rows)
         metrics.update({k: stats[k] for k in ess_after if k in metrics})
-    return jnp.sum(loss_M), acc.cast(grads), metrics
+    return jnp.sum(loss_M), acc.cast(grads), metrics, logp_M
 
 
 def _microbatch_scope(acc: _Accumulator, rows: Batch, shared: Batch, m: int):
     """The reference code's default: each micro-batch's own ESS, the step's token counts (they
     need only the mask); losses and gradients sum."""
     shared = {**token_counts(rows), **shared}
-    grads, loss_M, metrics_M, _ = acc.scan({k: _split(v, m) for k, v in rows.items()}, shared)
-    return jnp.sum(loss_M), acc.cast(grads), combine_metrics(metrics_M, "microbatch")
+    grads, loss_M, metrics_M, logp_M = acc.scan({k: _split(v, m) for k, v in rows.items()}, shared)
+    return jnp.sum(loss_M), acc.cast(grads), combine_metrics(metrics_M, "microbatch"), logp_M
 
 
 def _local_scope(acc: _Accumulator, rows: Batch, shared: Batch, m: int):
     """Each micro-batch's own ESS and counts; losses and gradients are averaged."""
-    grads, loss_M, metrics_M, _ = acc.scan({k: _split(v, m) for k, v in rows.items()}, shared)
+    grads, loss_M, metrics_M, logp_M = acc.scan({k: _split(v, m) for k, v in rows.items()}, shared)
     scale = 1.0 / m
     return (
         jnp.sum(loss_M) * scale,
         acc.cast(grads, scale),
         combine_metrics(metrics_M, "microbatch_local"),
+        logp_M,
     )
 
 
@@ -206,13 +220,13 @@ class _Accumulator:
         loss, metrics = self.loss_of(out, mb)
         return loss, (metrics, jax.lax.stop_gradient(_logp_of(out)))
 
-    def scan(self, micro, shared, init=None, keep_logp: bool = False):
-        """Summed gradients and per-micro-batch losses, metrics (and log-probs if kept)."""
+    def scan(self, micro, shared, init=None):
+        """Summed gradients and per-micro-batch losses, metrics and log-probs [M, b, T]."""
 
         def accumulate(grads_acc, mb):
             (loss, (metrics, logp)), grads = self.grad_fn(self.params, {**mb, **shared})
             grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-            return grads_acc, (loss, metrics, logp if keep_logp else None)
+            return grads_acc, (loss, metrics, logp)
 
         if init is None:
             init = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), self.params)
@@ -249,7 +263,7 @@ def _statistics_pass(logp_fn, loss_of, params, micro, rows, shared):
     one-step loop, and the straight-line program then holds both micro-batches' activations at
     once (twice the compiled temp memory on CPU; XLA:CPU drops optimization barriers before
     scheduling, so none can order it). Returns the shared scalars with the statistics added, and
-    (loss, metrics, grads) of the last micro-batch, or None when its forward was not kept.
+    (loss, metrics, grads, logp) of the last micro-batch, or None when its forward was not kept.
     """
     frozen = jax.lax.stop_gradient(params)
     reuse = micro["mask"].shape[0] > 2
@@ -269,7 +283,7 @@ def _statistics_pass(logp_fn, loss_of, params, micro, rows, shared):
         lambda out: loss_of(out, {**last, **shared}), out, has_aux=True
     )
     (grads,) = backward(*loss_backward(jnp.ones_like(loss)))
-    return shared, (loss, metrics, grads)
+    return shared, (loss, metrics, grads, _logp_of(out))
 
 
 def _unpack(out) -> tuple[jax.Array, dict]:

@@ -25,14 +25,19 @@ from ess_jax.data import (
 )
 from ess_jax.model import decoder as model_lib
 from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.rl import actor_learner
 
 SYNTHETIC_TASKS = ("addition", "sort", "countdown")
 LOCAL_DATASETS = ("gsm8k", "deepscaler", "math")
 
 
 def _mesh_sizes(config) -> dict[str, int]:
+    """The train mesh's sizes: every device, less the rollout mesh's in train.mode "async"."""
+    n = jax.device_count()
     try:
-        return sharding_lib.mesh_shape(dict(config.mesh), jax.device_count())
+        return sharding_lib.mesh_shape(
+            dict(config.mesh), n - actor_learner.rollout_device_count(config, n)
+        )
     except ValueError as e:
         fail("mesh", str(e))
 
@@ -78,6 +83,7 @@ def validate(config) -> None:
     if r.external_fraction > 0:
         _check_checkpoint("rollout.external_checkpoint", r.external_checkpoint)
     _check_checkpoint("model.source", config.model.source)
+    actor_learner.check(config)  # one process, a device split that leaves both sides some
     sizes = _mesh_sizes(config)
     data_ranks = sizes["data"] * sizes["fsdp"]
     per_update = config.data.prompts_per_step * r.group_size // config.train.updates_per_batch

@@ -2,7 +2,10 @@
 
 Every source of off-policyness in docs/method.md is a knob here (all off by default):
   rollout.temperature / top_k / top_p   the sampler's distribution differs from the trainer's
-  rollout.precision                     float32 | bfloat16 | fp8 sampler weights and compute
+  rollout.precision                     the sampler's weights and compute (float32, bfloat16,
+                                        float16, fp8 formats, int8 / int4 weights, fp8
+                                        activations: sampling/precision.py)
+  rollout.kv_cache_precision            its KV cache: compute dtype | bfloat16 | fp8
   rollout.lag                           samples come from the policy `lag` versions old
   rollout.external_fraction (+ external_checkpoint)
                                         that share of each group is drawn by another model,
@@ -87,7 +90,16 @@ class ParamHistory:
 _FIELDS = ("tokens", "response_mask", "behaviour_logp", "sequences", "sequence_mask")
 
 
-def _draw(src: PolicySource, prompts, prompt_mask, sampling, rng, precision: str, calls: int):
+def _draw(
+    src: PolicySource,
+    prompts,
+    prompt_mask,
+    sampling,
+    rng,
+    precision: str,
+    calls: int,
+    kv_cache: str = "compute",
+):
     """The sampler's outputs as numpy arrays, the prompts split over `calls` sampler calls
     (each holds a KV cache for only its share of the rows: rollout.sample_microbatches)."""
     if len(prompts) % calls:
@@ -98,7 +110,9 @@ def _draw(src: PolicySource, prompts, prompt_mask, sampling, rng, precision: str
     parts = []
     for i, (p, m) in enumerate(zip(np.split(prompts, calls), np.split(prompt_mask, calls))):
         key = rng if calls == 1 else jax.random.fold_in(rng, i)
-        out = sampler_lib.sample(src.cfg, params, p, m, sampling, key, precision=precision)
+        out = sampler_lib.sample(
+            src.cfg, params, p, m, sampling, key, precision=precision, kv_cache=kv_cache
+        )
         parts.append({k: sharding_lib.to_host(getattr(out, k)) for k in _FIELDS})
     fields = {k: np.concatenate([part[k] for part in parts]) for k in _FIELDS}
     return fields, np.full((len(fields["tokens"]),), src.version, np.int32)
@@ -135,6 +149,7 @@ def collect(
     )
     rng_pol, rng_ext = jax.random.split(rng)
     calls = int(rcfg.get("sample_microbatches", 1))
+    kv = dict(kv_cache=str(rcfg.get("kv_cache_precision", "compute")))
     fields, version = _draw(
         policy,
         prompts,
@@ -143,6 +158,7 @@ def collect(
         rng_pol,
         rcfg.precision,
         calls,
+        **kv,
     )
     if n_ext:
         ext_fields, ext_version = _draw(
@@ -153,6 +169,7 @@ def collect(
             rng_ext,
             rcfg.external_precision,
             calls,
+            **kv,
         )
         # external samples first in each group, their pi_b is the external model's log-prob
         fields = {k: _interleave_groups(ext_fields[k], v, num_prompts) for k, v in fields.items()}

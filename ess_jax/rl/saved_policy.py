@@ -19,7 +19,8 @@ from ess_jax.config.schema import UserError
 from ess_jax.data import char_tokenizer
 from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.model import decoder as model_lib
-from ess_jax.rl import experiment
+from ess_jax.model import lora
+from ess_jax.rl import experiment, lora_policy
 
 WHAT_TO_PASS = (
     "pass a Hugging Face directory (config.json with model_type), a .gguf file, or a run's "
@@ -94,6 +95,9 @@ def _load_workdir(workdir: str, mesh) -> tuple[model_lib.ModelConfig, Any, Any, 
             f"{workdir}: no hf/ export and no committed checkpoint yet; {WHAT_TO_PASS}"
         )
     cfg, tokenizer = _run_model(workdir, run.model)
+    rank, alpha, targets = lora_policy.lora_settings(run.model)
+    if rank:  # a LoRA run's checkpoints hold its adapters only
+        cfg = lora.with_lora(cfg, rank, alpha, targets)
     abstract = model_lib.abstract_params(cfg)
     if mesh is not None:
         abstract = jax.tree.map(
@@ -101,8 +105,14 @@ def _load_workdir(workdir: str, mesh) -> tuple[model_lib.ModelConfig, Any, Any, 
             abstract,
             model_lib.param_shardings(cfg, mesh),
         )
+    if rank:
+        abstract = lora.split(abstract)[1]
     _, tree, _ = ckpt.restore({"state": {"params": abstract}}, step, partial=True)
-    return cfg, tree["state"]["params"], tokenizer, str(ckpt.directory / str(step))
+    params = tree["state"]["params"]
+    if rank:  # merged onto the run's frozen base, model.source
+        _, base, _ = experiment.load_policy(run.model, mesh, need_tokenizer=False)
+        params, cfg = lora_policy.merged(cfg, base, params, "train"), lora.base_config(cfg)
+    return cfg, params, tokenizer, str(ckpt.directory / str(step))
 
 
 def _warn_if_stale(workdir: str, hf: str) -> None:

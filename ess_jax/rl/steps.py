@@ -21,7 +21,7 @@ import optax
 from flax import struct
 
 from ess_jax import objectives as obj_lib
-from ess_jax.model import scoring
+from ess_jax.model import lora, scoring
 from ess_jax.objectives import scopes
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import rollout as rollout_lib
@@ -34,9 +34,12 @@ class TrainState:
     opt_state: optax.OptState
     step: jax.Array  # optimizer updates applied
     nonfinite: jax.Array  # consecutive skipped (non-finite) updates
+    # model.lora: the frozen base params (`params` are the adapters, lora.split); never an
+    # optimizer parameter, never differentiated, not checkpointed (Run reloads model.source)
+    frozen: dict | None = None
 
 
-def init_state(params, tx, mesh) -> tuple[TrainState, TrainState]:
+def init_state(params, tx, mesh, frozen=None) -> tuple[TrainState, TrainState]:
     """The state and its shardings. Optimizer moments take their param's layout (a bare
     `jit(tx.init)` would leave them, and optax's `count`, on one device); scalars replicate."""
     rep = sharding_lib.replicated(mesh)
@@ -52,16 +55,23 @@ def init_state(params, tx, mesh) -> tuple[TrainState, TrainState]:
     # several processes with one device each gives an array whose shard lists both devices,
     # which orbax's save then refuses ("input arrays must have one shard each").
     zero = lambda: sharding_lib.put_host_array(np.zeros((), np.int32), rep)  # noqa: E731
-    state = TrainState(params, opt_state, zero(), zero())
+    state = TrainState(params, opt_state, zero(), zero(), frozen)
     return state, jax.tree.map(lambda x: x.sharding, state)
 
 
-def _apply_update(state: TrainState, tx, loss, grads):
-    """Optimizer update, skipped (state kept, counter bumped) if loss or grads are not finite."""
+def _apply_update(state: TrainState, tx, loss, grads, lr_scale=None):
+    """Optimizer update, skipped (state kept, counter bumped) if loss or grads are not finite.
+
+    `lr_scale` (a scalar; None: no factor, the update as tx gives it) multiplies the update tx
+    returns, i.e. the learning rate of this one step (for AdamW the decoupled weight decay too,
+    which optax multiplies by the lr): an objective's metric "lr_scale" (vcpo). Adam divides a
+    factor on the gradient out, so the loss cannot carry it."""
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    if lr_scale is not None:
+        updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
     ok = ok & jnp.isfinite(optax.global_norm(updates))  # e.g. a NaN learning rate
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -70,8 +80,15 @@ def _apply_update(state: TrainState, tx, loss, grads):
         keep(opt_state, state.opt_state),
         state.step + ok.astype(jnp.int32),
         jnp.where(ok, 0, state.nonfinite + 1),
+        state.frozen,
     )
     return new, grad_norm, ok
+
+
+def _over_base(logp_fn, frozen):
+    """`logp_fn` of the adapters alone: the frozen base joined in, outside the differentiated
+    argument (its gradient is never formed)."""
+    return lambda adapters, mb: logp_fn(lora.join(frozen, adapters), mb)
 
 
 def make_sft_step(cfg, tx, state_sh, batch_sh):
@@ -79,7 +96,7 @@ def make_sft_step(cfg, tx, state_sh, batch_sh):
 
     def step(state, batch):
         def loss_fn(params):
-            logp = scoring.token_logprobs(cfg, params, batch["tokens"])
+            logp = scoring.token_logprobs(cfg, lora.join(state.frozen, params), batch["tokens"])
             m = batch["loss_mask"].astype(jnp.float32)
             return -jnp.sum(logp * m) / jnp.maximum(m.sum(), 1.0)
 
@@ -132,6 +149,7 @@ def make_rl_step(
     batch_sh,
     full: FullKL | None = None,
     seed: int = 0,
+    group_size: int | None = None,
 ):
     """One optimizer update on a rollout (mini-)batch with the configured objective.
 
@@ -140,17 +158,28 @@ def make_rl_step(
     among them, pi_b is the current policy (the params the sampler held: lag 0, one update).
     In the micro-batch ESS scopes with several micro-batches the rows are shuffled within each
     device's block before the split (`scopes.shuffle_rows`), by a permutation drawn from `seed`
-    and the update count `state.step`: fixed per update, so a rerun or a resume repeats it."""
+    and the update count `state.step`: fixed per update, so a rerun or a resume repeats it.
+    `group_size` (rollout.group_size) reaches an objective's batch pass (vcpo's per-group
+    baseline); a metric "lr_scale" of the objective scales this update (`_apply_update`)."""
     entropy = objective_cfg.beta_ent != 0
     shuffled = objective_cfg.ess_scope in scopes.SHUFFLED_SCOPES and num_microbatches > 1
     row_blocks = math.prod(batch_sh.mesh.shape[a] for a in sharding_lib.BATCH)
 
     def update(state, batch, logp_fn):
+        if state.frozen is not None:  # LoRA: the gradient of the adapters only
+            logp_fn = _over_base(logp_fn, state.frozen)
         key = jax.random.fold_in(jax.random.key(seed), state.step) if shuffled else None
         loss, grads, metrics = scopes.step_loss_and_grad(
-            logp_fn, state.params, batch, objective_cfg, num_microbatches, key, row_blocks
+            logp_fn,
+            state.params,
+            batch,
+            objective_cfg,
+            num_microbatches,
+            key,
+            row_blocks,
+            group_size=group_size,
         )
-        state, grad_norm, ok = _apply_update(state, tx, loss, grads)
+        state, grad_norm, ok = _apply_update(state, tx, loss, grads, metrics.get("lr_scale"))
         return state, {**metrics, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
 
     if full is None:
@@ -163,6 +192,7 @@ def make_rl_step(
 
         def step(state, batch, bparams):
             bparams = {"policy": state.params, **bparams}
+            bparams["policy"] = lora.join(state.frozen, bparams["policy"])
             fn = rescore.logp_fn_for(cfg, prompt_len, full.behaviour, bparams, entropy)
             return update(state, batch, fn)
 

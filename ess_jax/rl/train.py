@@ -1,6 +1,6 @@
 """The RL loop: `Run` (build, SFT warm-up, rollout -> reward -> advantages -> updates, eval,
 checkpoints, export) and `run`, the entry point of `ess_jax.main`. The jitted steps it calls
-are in `ess_jax.rl.steps`.
+are in `ess_jax.rl.steps`, the SFT warm-up in `ess_jax.rl.sft`.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from tqdm import tqdm
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
 from ess_jax.config.schema import UserError
-from ess_jax.data import sft_batches
-from ess_jax.data.noise import corrupt_demonstrations
 from ess_jax.io import workdir as workdir_lib
 from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import dynamic_sampling, experiment, preemption, steps
+from ess_jax.rl import actor_learner, dynamic_sampling, experiment, lora_policy, preemption, steps
 from ess_jax.rl import heldout as eval_lib
 from ess_jax.rl import rollout as rollout_lib
+from ess_jax.rl import sft as sft_lib
 from ess_jax.rl.health import HealthWatch, report
 from ess_jax.rl.metrics import MetricsWriter, eval_summary, plot_run, progress_postfix
 from ess_jax.rl.optim import learning_rate_schedule, make_optimizer
@@ -34,8 +34,7 @@ from ess_jax.rl.optim import learning_rate_schedule, make_optimizer
 MAX_NONFINITE_IN_A_ROW = 3
 
 
-class NonFiniteError(UserError, RuntimeError):
-    pass
+class NonFiniteError(UserError, RuntimeError): ...
 
 
 class Run:
@@ -69,8 +68,12 @@ class Run:
             self._lock.release()
 
     def _build(self, config) -> None:
-        self.mesh = sharding_lib.make_mesh(dict(config.mesh))
+        self.mesh, self.rollout_mesh = actor_learner.meshes(config)  # rollout: async only
         self.model_cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
+        # model.lora: params become the adapters, the loaded weights the frozen base
+        self.model_cfg, frozen, params = lora_policy.attach(
+            config.model, self.model_cfg, params, self.mesh, config.seed
+        )
         self.stop_ids = experiment.stop_ids(config, self.tokenizer)
         self.rollout_cfg = _with_stop_ids(config.rollout, self.stop_ids)
         self.train_examples, test = experiment.load_examples(config.task)
@@ -86,7 +89,7 @@ class Run:
         }
         self.tx = make_optimizer(optim_cfg)
         self.lr_schedule = learning_rate_schedule(optim_cfg)
-        self.state, self.state_sh = steps.init_state(params, self.tx, self.mesh)
+        self.state, self.state_sh = steps.init_state(params, self.tx, self.mesh, frozen)
         self.history = rollout_lib.ParamHistory(config.rollout.lag)
         self.external = None
         if config.rollout.external_fraction > 0:
@@ -105,12 +108,12 @@ class Run:
         self.ref_params = None
         self.rng = jax.random.key(config.seed)
         self._rl_steps: dict = {}
-        self._step_start = None  # (data position, optimizer step) while a step runs
+        self.step_start = None  # (data position, optimizer step) while a step runs
 
     # ------------------------------------------------------------------ checkpoints
     def _ckpt_tree(self):
         return {
-            "state": self.state,
+            "state": self.state.replace(frozen=None),  # model.lora: the base is model.source
             "history": [p for _, p in self.history.state()],
             **({"ref": self.ref_params} if self.ref_params is not None else {}),
         }
@@ -132,7 +135,7 @@ class Run:
         if found is None:
             return None
         step, tree, meta = found
-        self.state = tree["state"]
+        self.state = tree["state"].replace(frozen=self.state.frozen)
         self.ref_params = tree.get("ref")
         self.history.restore(list(zip(meta["history_versions"], tree["history"])))
         self.batcher.restore(meta["data"])
@@ -140,7 +143,8 @@ class Run:
 
     def _abstract_tree(self, n_history: int):
         as_abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-        state = jax.tree.map(as_abstract, self.state, self.state_sh)
+        unfrozen = self.state.replace(frozen=None), self.state_sh.replace(frozen=None)
+        state = jax.tree.map(as_abstract, *unfrozen)
         hist_one = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
         tree = {"state": state, "history": [hist_one] * n_history}
         if self.objective_cfg.beta_kl > 0:
@@ -149,45 +153,23 @@ class Run:
 
     # ------------------------------------------------------------------ phases
     def sft(self) -> None:
-        c = self.config.sft
-        if not c.steps:
-            return
-        tx = make_optimizer(
-            {
-                "lr": c.lr,
-                "warmup_steps": c.warmup_steps,
-                "total_steps": c.steps,
-                "max_grad_norm": 1.0,
-                "final_lr_fraction": 0.1,
-            }
+        """The SFT warm start (`sft.warm_start`; nothing with sft.steps 0)."""
+        self.state = sft_lib.warm_start(
+            self.config,
+            self.model_cfg,
+            self.state,
+            self.mesh,
+            self.train_examples,
+            self.tokenizer,
+            quiet=_secondary(),
         )
-        state, state_sh = steps.init_state(self.state.params, tx, self.mesh)
-        batch_sh = sharding_lib.batch_sharding(self.mesh)
-        step_fn = steps.make_sft_step(self.model_cfg, tx, state_sh, batch_sh)
-        demos = corrupt_demonstrations(self.train_examples, c.demo_noise, self.config.seed)
-        it = sft_batches(demos, self.tokenizer, c.batch_size, c.seq_len, seed=self.config.seed)
-        bar = tqdm(
-            range(c.steps), desc="sft", dynamic_ncols=True, mininterval=2.0, disable=_secondary()
-        )
-        for i in bar:
-            b = next(it)
-            batch = sharding_lib.shard_batch(
-                {
-                    "tokens": np.asarray(b["tokens"], np.int32),
-                    "loss_mask": np.asarray(b["loss_mask"]),
-                },
-                self.mesh,
-            )
-            state, m = step_fn(state, batch)
-            if i % 20 == 0 or i == c.steps - 1:
-                bar.set_postfix_str(f"loss={float(m['loss']):.3f}")
-        self.state = self.state.replace(params=state.params)
 
     def evaluate(self, step: int) -> dict:
         e = self.config.eval
-        src = rollout_lib.PolicySource(
-            self.model_cfg, sharding_lib.reshard(self.state.params, self.sample_sh), step
-        )
+        params = self.state.params
+        if self.state.frozen is None:
+            params = sharding_lib.reshard(params, self.sample_sh)
+        src = lora_policy.source(self.model_cfg, self.state.frozen, params, step)
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 2), step)
         return eval_lib.evaluate(
             src,
@@ -201,15 +183,21 @@ class Run:
         )
 
     def export_hf(self) -> str:
-        """The current params and tokenizer as a Hugging Face checkpoint in <workdir>/hf, written
-        to a temporary directory first so a reader never sees a half-written one."""
+        """The current params and tokenizer as a Hugging Face checkpoint in <workdir>/hf (with
+        model.lora: merged, and the PEFT adapter in <workdir>/peft), written to a temporary
+        directory first so a reader never sees a half-written one."""
         from ess_jax.io import weights
 
         path = os.path.join(self.workdir, "hf")
         tmp = path + ".tmp"
         if jax.process_index() == 0 and os.path.exists(tmp):
             shutil.rmtree(tmp)
-        weights.save_hf(self.model_cfg, self.state.params, tmp, tokenizer=self.tokenizer)
+        if self.state.frozen is None:
+            weights.save_hf(self.model_cfg, self.state.params, tmp, tokenizer=self.tokenizer)
+        else:  # model.lora: the merged model here, the adapter alone in <workdir>/peft
+            peft = os.path.join(self.workdir, "peft")
+            s, src = self.state, self.config.model.source
+            lora_policy.export(self.model_cfg, s.frozen, s.params, tmp, peft, self.tokenizer, src)
         if jax.process_index() == 0:
             if os.path.exists(path):
                 shutil.rmtree(path)
@@ -224,7 +212,7 @@ class Run:
         and the resume is exact. After it, the update has donated buffers the policy history
         may share (lag 0, same layouts): save the updated state as step + 1 (that step's row is
         not written). During it, the old state is gone: keep the last periodic checkpoint."""
-        started = self._step_start
+        started = self.step_start
         leaves = jax.tree.leaves(self.state)
         if any(x.is_deleted() for x in leaves):
             logging.error(
@@ -243,14 +231,13 @@ class Run:
         self.save(step, force=True)
 
     def rl_step(self, step: int) -> dict:
-        t = self.config.train
         t0 = time.perf_counter()
-        self._step_start = (self.batcher.state(), int(self.state.step))
+        self.step_start = (self.batcher.state(), int(self.state.step))
         version, params_b = self.history.behaviour()
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
         with preemption.interruptible():  # SIGTERM: the step is redone from its start state
             rollout, metrics = dynamic_sampling.collect_batch(
-                rollout_lib.PolicySource(self.model_cfg, params_b, version),
+                lora_policy.source(self.model_cfg, self.state.frozen, params_b, version),
                 self.batcher,
                 self.tokenizer,
                 self.reward_fn,
@@ -258,6 +245,11 @@ class Run:
                 rng,
                 external=self.external,
             )
+        return self.learn(step, rollout, metrics, version, params_b, t0)
+
+    def learn(self, step, rollout, metrics, version, params_b, t0) -> dict:
+        """Updates on a rollout drawn by policy `version` (params `params_b`); the row."""
+        t = self.config.train
         t_sample = time.perf_counter() - t0
         n_upd = t.updates_per_batch
         per = rollout.num_sequences // n_upd
@@ -268,9 +260,9 @@ class Run:
             self.model_cfg, rollout.prompt_len, self.mesh, t.num_microbatches * n_upd
         )
         if obj_lib.get_objective(self.objective_cfg.name).needs_prox:  # pi_prox: before any update
-            batch["prox_logp"] = score(self.state.params, batch)
+            batch["prox_logp"] = score(lora.join(self.state.frozen, self.state.params), batch)
         if self.ref_params is not None:
-            batch["ref_logp"] = score(self.ref_params, batch)
+            batch["ref_logp"] = score(lora.join(self.state.frozen, self.ref_params), batch)
         key = (rollout.prompt_len, full and full.key)
         if key not in self._rl_steps:  # one compile per prompt bucket (and full-KL inputs)
             self._rl_steps[key] = steps.make_rl_step(
@@ -283,6 +275,7 @@ class Run:
                 sharding_lib.batch_sharding(self.mesh),
                 full,
                 seed=self.config.seed,
+                group_size=int(self.rollout_cfg.group_size),
             )
         step_fn = self._rl_steps[key]
         upd_metrics = []
@@ -298,10 +291,13 @@ class Run:
             )
         # train layout (FSDP-sharded): the sampler gathers a version only while it samples
         self.history.push(step + 1, self.state.params)
-        self._step_start = None
+        self.step_start = None
         elapsed = time.perf_counter() - t0
         row = {k: float(np.mean([m[k] for m in upd_metrics])) for k in upd_metrics[0]}
         row["ess_min"] = float(np.min([m["ess"] for m in upd_metrics]))
+        # the mismatch metrics of the batch's first update, where pi_theta is the policy that
+        # sampled (with rollout.lag 0): pure train/sampler mismatch, not the updates' drift
+        row.update({k: float(upd_metrics[0][k]) for k in obj_lib.MISMATCH_KEYS})
         row.update(metrics)
         row.update(
             step=step,
@@ -346,19 +342,15 @@ class Run:
             self.history.push(0, self.state.params)
             self.save(0, force=True)  # the SFT warm start is never redone after a crash
         step, health = start, HealthWatch(self.model_cfg.vocab_size)
-        bar = tqdm(
-            range(start, t.steps),
-            desc="rl",
-            initial=start,
-            total=t.steps,
-            dynamic_ncols=True,
-            disable=_secondary(),
-        )
+        left = range(start, t.steps)
+        bar = tqdm(left, "rl", t.steps, initial=start, dynamic_ncols=True, disable=_secondary())
+        loop = actor_learner.loop_for(self)  # train.mode: sync, or async (a sampler thread)
         try:
+            loop.start(start)
             for step in bar:
                 if self.config.eval.every and step % self.config.eval.every == 0:
                     self._eval(writer, step)
-                row = self.rl_step(step)
+                row = loop.step(step)
                 writer.write(row)
                 report(health.update(row))
                 bar.set_postfix_str(progress_postfix(row))
@@ -375,6 +367,7 @@ class Run:
             self.save_on_interrupt(step)
             raise
         finally:
+            loop.stop()  # the sampler thread, if any (it reads none of what a save writes)
             self.ckpt.wait()
             writer.close()
         if _secondary():

@@ -38,6 +38,14 @@ class Static:
     use_top_p: bool
     stop_ids: tuple[int, ...]
     pad_id: int
+    kv_cache: str = "compute"  # the KV cache's precision (config/domains.KV_CACHE_PRECISIONS)
+
+    def init_cache(self, cfg, batch: int, length: int) -> list[dict]:
+        """The KV cache in this configuration's precision."""
+        if self.kv_cache == "fp8":
+            return kv_cache.init_cache(cfg, batch, length, fp8=True)
+        dtype = None if self.kv_cache == "compute" else jnp.dtype(self.kv_cache)
+        return kv_cache.init_cache(cfg, batch, length, dtype)
 
 
 @struct.dataclass
@@ -140,7 +148,7 @@ def prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, 
     kv_mask = jnp.concatenate([mask_BxP, jnp.ones((b, t), bool)], axis=1)
     positions = model_lib.positions_from_mask(mask_BxP)
     module = model_lib.bind(cfg, params)
-    cache = kv_cache.init_cache(cfg, b, p + decode_bounds(t)[0])  # the first segment's length
+    cache = st.init_cache(cfg, b, p + decode_bounds(t)[0])  # the first segment's length
     x, cache = module.hidden(cfg, prompts_BxP, positions, kv_mask, cache, 0, attend_len=p)
     logits = module.logits(cfg, x[:, -1:])  # the last position only: no [B, P, V] logits
     rep = functools.partial(jnp.repeat, repeats=n, axis=0)  # sample j of prompt i: row i*n+j

@@ -20,9 +20,11 @@ distribution the sampler drew from, not the full-vocabulary temperature-1 one. U
 Greedy decoding (temperature 0) draws from a point mass on the argmax, so its
 behaviour_logp = log 1 = 0 and log_kept_mass = 0 (the T -> 0 limit).
 
-Sampler precision (`sample(..., precision=)`): "float32", "bfloat16" or "fp8" (see
-precision.py); the low-precision modes reproduce the train/inference mismatch of the paper's
-FP8-rollout experiment.
+Sampler precision (`sample(..., precision=, kv_cache=)`): one of precision.FORMATS (float32,
+bfloat16, float16, fp8 weight formats, int8 / int4 weights, fp8 activations; precision.py says
+what each rounds) and the KV cache's precision ("compute", "bfloat16", "fp8": model/kv_cache.py).
+The low-precision modes reproduce the train/inference mismatch of the paper's FP8-rollout
+experiment; every recorded log-prob is that of the rounded model that drew the token.
 
 Cost and compilation (the programs: decode.py): prompts are left-padded further to a
 power-of-two bucket. The prefill attends over the prompt only, and decode runs in up to 4
@@ -30,7 +32,7 @@ segments (`decode_bounds`), each attending over the prompt and the response posi
 bound allows, so a step costs what is filled (within 2x), not the whole budget; the KV cache
 is updated in place and zero-padded between segments. Temperature / top_p are traced, so a run
 compiles one prefill and <= 4 decode programs per (model, batch, bucket, max_new_tokens,
-num_samples, top_k, stop_ids, precision, mesh).
+num_samples, top_k, stop_ids, precision, kv cache, mesh).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
+from ess_jax.config.domains import KV_CACHE_PRECISIONS
 from ess_jax.model import decoder as model_lib
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.sampling import decode as decode_lib
@@ -147,16 +150,19 @@ def sample(
     *,
     precision: str = "float32",
     mesh: Mesh | None = None,
+    kv_cache: str = "compute",
 ) -> SampleOutput:
     """Draw `sampling.num_samples` completions of each left-padded prompt.
 
-    `precision` is the sampler's numeric mode (float32 | bfloat16 | fp8, see the module
-    docstring). With a `mesh` (default: the mesh the params live on, if any) the params are
-    moved to the sample layout if they are not there yet and the rows are split over the
-    data axes; the numbers are the same as unsharded.
+    `precision` is the sampler's numeric mode (precision.FORMATS), `kv_cache` its KV cache's
+    (KV_CACHE_PRECISIONS; "compute": the compute dtype). With a `mesh` (default: the mesh the
+    params live on, if any) the params are moved to the sample layout if they are not there
+    yet and the rows are split over the data axes; the numbers are the same as unsharded.
     """
     if precision not in precision_lib.PRECISIONS:
         raise ValueError(f"precision {precision!r} not in {precision_lib.PRECISIONS}")
+    if kv_cache not in KV_CACHE_PRECISIONS:
+        raise ValueError(f"kv_cache {kv_cache!r} not in {KV_CACHE_PRECISIONS}")
     mask_np = np.asarray(prompt_mask_BxP).astype(bool)
     tokens_np = np.asarray(prompt_tokens_BxP).astype(np.int32)
     if mask_np.ndim != 2 or mask_np.shape != tokens_np.shape:
@@ -181,13 +187,14 @@ def sample(
         use_top_p=sampling.top_p < 1.0,
         stop_ids=tuple(sorted(set(stop_ids))),
         pad_id=pad_id,
+        kv_cache=kv_cache,
     )
     mesh = mesh if mesh is not None else _infer_mesh(params)
     if mesh is not None and mesh.size > 1:
         params = sample_layout(cfg, params, mesh)
     else:
         mesh = None
-    sample_cfg = cfg.replace(dtype="float32" if precision == "float32" else "bfloat16")
+    sample_cfg = precision_lib.sample_config(cfg, precision)
     if precision != "float32":
         params = precision_lib.prepare_fn(precision)(params)
 

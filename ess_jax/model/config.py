@@ -1,0 +1,71 @@
+"""ModelConfig: the decoder's shapes, numerics and options in one frozen (hashable) record, the
+key of the cached builders in decoder.py, sampling/sampler.py and rl/lora_policy.py.
+`decoder.Decoder` is built from it; io/weights.py and io/gguf_llama.py read one from a
+checkpoint's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from ess_jax.config.domains import ATTENTION_IMPLS
+from ess_jax.model import lora
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64  # D
+    intermediate_size: int = 128  # F
+    num_layers: int = 2  # L
+    num_heads: int = 4  # H
+    num_kv_heads: int = 2  # N
+    head_dim: int = 16  # K
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # e.g. llama3 scaling, as items
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16
+    family: str = "llama"  # llama | qwen2 | qwen3
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    # > 0: full-sequence forwards (the trainer's log-probs, the sampler's prefill) compute the
+    # LM head and the attention scores this many positions at a time, so neither [B, T, V]
+    # logits nor [B, H, T, S] scores exist at once; 0: all at once
+    logits_chunk: int = 0
+    # recompute each block in the backward pass (keeps only the [B, T, D] block inputs)
+    remat: bool = False
+    # attention of the several-query forwards (training, the prefill; decode steps always use
+    # layers.attention's one-query path): "einsum" (layers.attention, any backend), "cudnn"
+    # (jax.nn.dot_product_attention's fused kernel: NVIDIA GPUs, bf16) or "xla" (jax's
+    # reference path of the same call; layers.fused_attention)
+    attention_impl: str = "einsum"
+    # the inputs of the seven block matmuls (q, k, v, o, gate, up, down) rounded through
+    # float8_e4m3fn with a per-token scale (layers.fp8_activation): the sampler's "fp8_act"
+    activation_fp8: bool = False
+    # LoRA adapters on the block matmuls (lora.py): rank 0 = none; each targeted weight W
+    # computes x W + (lora_alpha / lora_rank) x A B
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = lora.TARGETS
+
+    def __post_init__(self):
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"ModelConfig.attention_impl: unknown {self.attention_impl!r}; "
+                f"one of {', '.join(ATTENTION_IMPLS)}"
+            )
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **kw) -> ModelConfig:
+        return dataclasses.replace(self, **kw)

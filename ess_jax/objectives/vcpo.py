@@ -1,0 +1,200 @@
+"""VCPO: Variance Controlled Policy Optimization (Huang, Zhang, Hu, Yang, Han, "Stable Asynchrony:
+Variance-Controlled Off-Policy RL for LLMs", arXiv 2602.17616; code github.com/mit-han-lab/vcpo).
+
+Axis alphabet: B rows (one sequence each), T time, M micro-batches, G group, Ng groups.
+
+Its two parts act outside a per-token loss, so VCPO is a loss (`vcpo`) plus a pass over the
+whole optimizer batch before the gradients (`batch_pass`, run by scopes.step_loss_and_grad for
+the objectives whose record names one). With w_i = pi_theta(y_i) / pi_b(y_i) the sequence
+importance weight (exp of the sum of the kept tokens' log rho, pi_theta the params of this
+update, stop-gradient):
+- ESS-guided step size (paper eq. for eta_eff; their `megatron_actor.py`
+  `_optimizer_step_with_buffer`, `ess_scaling` with `scaling_rule="sqrt"`): the update's
+  learning rate is multiplied by lr_scale = sqrt(min(1, (ESS / B) / vcpo_base_ess_ratio)),
+  ESS = (sum_i w_i)^2 / sum_i w_i^2 over the B sequences of the update (their
+  `staleness_utils.compute_ess_info`, unclipped w: `use_clipped=False`). The loss reports
+  `lr_scale` as a metric and rl/steps.py multiplies the optimizer's update by it: AdamW's
+  update is lr (m / (sqrt(v) + eps) + weight_decay p), so this scales the decoupled weight
+  decay too, as their code does by setting the optimizer's lr for the step. A factor on the
+  loss would not do it: Adam divides it out.
+- Off-policy optimal baseline, OPOB (the paper's b* = sum_i W_i R_i / sum_i W_i with
+  W_i = w_i^2 ||grad_theta log pi_theta(y_i)||^2; their `compute_opob_baseline`, scope "group",
+  `agg_mode="mean"`, `use_is_weights=True`, `normalize_by_length=False`): per group g of G
+  samples of one prompt, A'_i = A_i - sum_{j in g} W_j A_j / (sum_{j in g} W_j + 1e-8). With
+  GRPO advantages A = (R - mean_g) / (std_g + 1e-8) this is (R_i - b*_g) / (std_g + 1e-8): the
+  baseline commutes with the group's shift and scale. ||grad log pi(y_i)||^2 is exact: one
+  gradient per sequence (`seq_grad_sq`), as their code takes one backward per trajectory
+  (micro-batch size 1) and reads its norm.
+- The loss (their math / gsm8k scripts: `loss_mode` vanilla with the clip opened,
+  clip_ratio_low 1 / high 1e9 / c 1e9, old log-probs = the current ones detached, rollout_is
+  "sequence" at threshold 8): -sg(min(w_i, vcpo_is_cap)) A'_i logp_t, aggregated by
+  `objective.aggregation` (their scripts: seq-mean-token-mean).
+
+Differences from their code:
+- Their per-trajectory norm is that of the gradient of the IS-weighted loss, so their W_i
+  carries min(w_i, 8)^2 besides w_i^2; W_i here is the paper's w_i^2 ||grad log pi(y_i)||^2.
+- Their advantages are divided by the population std of the group (`norm_by_std`); the
+  rollout's GRPO advantages here use the Bessel std (a factor sqrt(G / (G - 1)) per step).
+- ESS = (sum w)^2 / sum w^2 from max-shifted log-weights (no 1e-8 in the denominator, no
+  float32 overflow of exp) over the rows with a kept token; their count includes every record.
+- Their final gradient is assembled from the per-trajectory gradients (no second backward);
+  here `batch_pass` takes one forward and a per-row backward over the batch before the usual
+  loss-and-gradient pass: 3.4x grpo's loss-and-gradient time at the configs/mini shapes (B 128,
+  P 16, T 6, embedded model; median of 15, side by side in one process, 8 fake CPU devices).
+- Packed rows (`seq_ids`) are refused: the per-row gradient would mix sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ess_jax.objectives.config import ObjectiveConfig
+from ess_jax.objectives.core import (
+    Batch,
+    Metrics,
+    aux_logp,
+    finish,
+    kept_mask,
+    prepare,
+    ratio,
+    seq_sum,
+)
+
+# their get_weighted_mean's eps: keeps the baseline finite for a group whose weights are all 0
+BASELINE_EPS = 1e-8
+
+
+def seq_log_weights(logp_BxT: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """log w_i = sum over the row's kept tokens of (logp - blogp) [B], and whether the row has a
+    kept token [B]; stop-gradient."""
+    logp = jax.lax.stop_gradient(logp_BxT).astype(jnp.float32)
+    keep = kept_mask(logp, batch)
+    blogp = jnp.asarray(batch["behaviour_logp"], jnp.float32)
+    log_w = jnp.sum(jnp.where(keep, logp - blogp, 0.0), axis=-1)
+    return log_w, keep.any(-1)
+
+
+def ess_ratio(log_w_B: jax.Array, rows_B: jax.Array) -> jax.Array:
+    """(sum w)^2 / (n sum w^2) over the n rows in `rows_B`, from max-shifted log-weights (the
+    ratio is invariant to a common factor of w); 0 when no row is given."""
+    shift = jnp.max(jnp.where(rows_B, log_w_B, -jnp.inf))
+    w = jnp.where(rows_B, jnp.exp(log_w_B - jnp.where(jnp.isfinite(shift), shift, 0.0)), 0.0)
+    n = jnp.sum(rows_B, dtype=jnp.float32)
+    return jnp.where(n > 0, jnp.square(w.sum()) / jnp.maximum(n * jnp.sum(w * w), 1e-30), 0.0)
+
+
+def lr_scale(ess_ratio_: jax.Array, base_ess_ratio: float) -> jax.Array:
+    """sqrt(min(1, ess_ratio / base_ess_ratio)): their `ess_scaling`, rule "sqrt" (the base
+    floored at 1e-8 as theirs)."""
+    return jnp.sqrt(jnp.minimum(1.0, ess_ratio_ / max(float(base_ess_ratio), 1e-8)))
+
+
+def opob_baseline(adv_B: jax.Array, weight_B: jax.Array, group_size: int) -> jax.Array:
+    """Per row, its group's sum_j W_j A_j / (sum_j W_j + 1e-8); groups are G consecutive rows."""
+    n = adv_B.shape[0]
+    if group_size < 1 or n % group_size:
+        raise ValueError(
+            f"vcpo's baseline needs whole groups in each update: {n} rows are not a multiple of "
+            f"rollout.group_size={group_size} (data.prompts_per_step must be a multiple of "
+            "train.updates_per_batch)"
+        )
+    a_NgxG = adv_B.reshape(n // group_size, group_size)
+    w_NgxG = weight_B.reshape(n // group_size, group_size)
+    b_Ng = jnp.sum(w_NgxG * a_NgxG, -1) / (jnp.sum(w_NgxG, -1) + BASELINE_EPS)
+    return jnp.repeat(b_Ng, group_size)
+
+
+def seq_grad_sq(
+    logp_fn: Callable[[Any, Batch], Any], params: Any, rows: Batch, num_microbatches: int = 1
+) -> tuple[jax.Array, jax.Array]:
+    """Per row i, ||grad_theta sum_t logp_it||^2 over its kept tokens [B] (float32), and the
+    log-probs [B, T] at `params`. One gradient per row, vmapped over the rows of a micro-batch
+    (strided, as scopes.py splits them) and mapped over the M micro-batches: M * b per-row
+    gradients are never held at once, b of them are."""
+    m = num_microbatches
+
+    def row_sum(p, row):
+        one = {k: v[None] for k, v in row.items()}
+        out = logp_fn(p, one)
+        logp = (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
+        keep = kept_mask(logp, one)
+        return jnp.sum(jnp.where(keep, logp, 0.0)), logp[0]
+
+    grad_fn = jax.vmap(jax.grad(row_sum, has_aux=True), in_axes=(None, 0))
+
+    def micro(mb):
+        grads, logp_bxT = grad_fn(params, mb)
+        sq = [
+            jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), -1)
+            for g in jax.tree.leaves(grads)
+        ]
+        return sum(sq), logp_bxT
+
+    split = {k: v.reshape(v.shape[0] // m, m, *v.shape[1:]).swapaxes(0, 1) for k, v in rows.items()}
+    sq_MxB, logp_MxBxT = jax.lax.map(micro, split)
+    merge = lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:])  # noqa: E731
+    return merge(sq_MxB), merge(logp_MxBxT)
+
+
+def batch_pass(
+    logp_fn: Callable[[Any, Batch], Any],
+    params: Any,
+    rows: Batch,
+    config: ObjectiveConfig,
+    num_microbatches: int = 1,
+    group_size: int | None = None,
+) -> tuple[Batch, Batch]:
+    """What VCPO needs of the whole optimizer batch before any gradient: (rows to add:
+    opob_advantages [B, T]; shared scalars to add: lr_scale, ess_seq). `rows` are the update's
+    rows in rollout order (groups of `group_size` consecutive rows), before any shuffle."""
+    if group_size is None:
+        raise ValueError("vcpo needs the rollout's group_size for its per-group baseline")
+    if "seq_ids" in rows:
+        raise ValueError("vcpo needs one sequence per row (packed rows, seq_ids, are refused)")
+    args = {k: v for k, v in rows.items() if jnp.ndim(v) > 0}
+    sq_B, logp_BxT = seq_grad_sq(logp_fn, jax.lax.stop_gradient(params), args, num_microbatches)
+    log_w, has_token = seq_log_weights(logp_BxT, rows)
+    ess = ess_ratio(log_w, has_token)
+    keep = kept_mask(logp_BxT, rows)
+    adv_BxT = jnp.where(keep, jnp.asarray(rows["advantages"], jnp.float32), 0.0)
+    adv_B = adv_BxT.sum(-1) / jnp.maximum(keep.sum(-1), 1)  # the row's advantage
+    weight_B = jnp.where(has_token, jnp.square(ratio(log_w)) * sq_B, 0.0)
+    base_B = opob_baseline(adv_B, weight_B, group_size)
+    opob = jnp.where(keep, adv_BxT - base_B[:, None], 0.0)
+    shared = {"lr_scale": lr_scale(ess, config.vcpo_base_ess_ratio), "ess_seq": ess}
+    return {"opob_advantages": jax.lax.stop_gradient(opob)}, jax.lax.stop_gradient(shared)
+
+
+def vcpo(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
+    """-sg(min(w_i, vcpo_is_cap)) A'_i logp_t, A' the OPOB advantages of `batch_pass`; reports
+    the step's `lr_scale` (rl/steps.py applies it to the update) and `ess_seq` (ESS / B).
+
+    In the train step `batch_pass` always runs first (scopes.step_loss_and_grad). Called on a
+    batch without its arrays (the loss alone, as the objective-generic tests call every loss),
+    the advantages are taken as given (no baseline: the per-sequence gradient norms need the
+    params) and lr_scale / ess_seq come from this batch's rows."""
+    c = prepare(logp_BxT, batch, config)
+    if "opob_advantages" in batch:
+        adv = aux_logp(batch, "opob_advantages", c.mask, config.name)
+    else:
+        adv = c.adv
+    if "lr_scale" in batch:
+        scale, ess = batch["lr_scale"], batch["ess_seq"]
+    else:
+        ess = ess_ratio(*seq_log_weights(logp_BxT, batch))
+        scale = lr_scale(ess, config.vcpo_base_ess_ratio)
+    log_w = seq_sum(jax.lax.stop_gradient(c.log_ratio) * c.maskf, None)
+    weight = jnp.where(c.mask, jnp.minimum(ratio(log_w), config.vcpo_is_cap), 0.0)
+    pg = -weight * adv * c.logp
+    capped = c.mask & (log_w > jnp.log(config.vcpo_is_cap))
+    extras = {
+        "lr_scale": jnp.asarray(scale, jnp.float32),
+        "ess_seq": jnp.asarray(ess, jnp.float32),
+        "is_weight_mean": jnp.sum(c.metric_w * weight),
+        "opob_shift": jnp.sum(c.metric_w * jnp.abs(c.adv - adv)),  # token mean of |b|
+    }
+    return finish(c, batch, config, pg, pg, capped, extras)

@@ -1,0 +1,334 @@
+"""train.mode "async": the sampler and the trainer run at the same time on disjoint devices.
+
+    rollout mesh (SAMPLE_RULES)                           train mesh (TRAIN_RULES)
+    Sampler thread: batch k with the last params  ---->  main thread: step k on batch k
+         ^          bounded queue of `Batch`es                      |
+         +---- params version s, every train.sync_every steps ------+
+               jax.device_put to the rollout mesh's sample layout (device to device)
+
+The devices split in two meshes (`meshes`): the first async_rollout_devices devices (default
+half) form the rollout mesh, (data, 1, async_rollout_tensor), whose params are in the sample
+layout (embed replicated, tensor-sharded); the rest form the train mesh, shaped by `mesh` as in
+the sync loop. At the start of each step s that is a multiple of train.sync_every (once step
+s - 1's row is written) the trainer copies its params with one `jax.device_put` onto the
+rollout mesh's NamedShardings (no host round trip) and hands them to the sampler as version s
+(the number of steps trained).
+
+Thread, not asynchronous dispatch alone: one collection is not one device program. It decodes
+in up to 4 jitted segments, brings the tokens to the host (rewards are Python functions of the
+text), reads the next prompts, and with DAPO resampling decides on the host whether to draw
+again. Each of those host reads blocks the Python thread that issued it, so in one thread the
+trainer's dispatch would wait behind the sampler's reads and the reverse. In a host thread of
+its own the sampler blocks only itself; XLA releases the GIL while it runs, so the two meshes
+compute at once, and only the Python parts (rewards, batching) share the interpreter.
+
+Staleness. Batch k is the one step k trains on; it is drawn with version v and every row
+records v (`Rollout.policy_version`). The sampler starts batch k only when k - v <= the lag
+budget, else it waits for a newer push: it never drops a row. The budget is rollout.max_lag,
+or less under ESS pacing (rollout.target_ess, `pacing.LagController`). The queue holds at
+most max_lag + 1 batches (the budget already bounds it so; the bound is a safeguard).
+
+Checkpoints hold the trainer's state and the data position after the last batch it trained
+on. The queue's contents are dropped: on resume the sampler restarts from that position with
+the restored params, so the same prompts come back, with the same sampling keys
+(fold_in(key(seed), 1), k), drawn by the restored (newest) policy: no prompt is lost or
+trained on twice, and the re-drawn batches have lag 0.
+
+Failure and signals. An exception in the sampler thread is raised in the trainer at its next
+wait as `SamplerError` from the original (its traceback is the cause). Ctrl-C and SIGTERM reach
+the main thread (the waits for a batch are `preemption.interruptible`): the checkpoint is
+written as in the sync loop (`Run.save_on_interrupt`; the sampler reads none of what it saves),
+then the sampler is told to stop and joined.
+
+One process only: the sampler's programs run on a subset of the devices, and under JAX's
+multi-controller model every process must launch each program that spans its devices, in the
+same order; two threads per host issuing programs on two meshes at their own pace cannot keep
+that order across hosts (experiment.validate refuses the combination; docs/running.md).
+
+Peers read for the design (no code taken): verl's one-step-off-policy recipe (a rollout
+worker group one step ahead of the trainer, weights pushed by NCCL broadcast) and tunix's
+separate rollout and trainer meshes with a weight sync between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+
+from ess_jax.config.schema import fail
+from ess_jax.model import decoder as model_lib
+from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.rl import dynamic_sampling, preemption
+from ess_jax.rl import rollout as rollout_lib
+from ess_jax.rl.pacing import LagController
+
+POLL_S = 0.1  # how often a wait looks at the other side (stop flag, crashed thread)
+
+
+class SamplerError(RuntimeError):
+    """The sampler thread raised; the original exception is the cause."""
+
+
+def rollout_device_count(config, num_devices: int) -> int:
+    """Devices of the rollout mesh (0 for the sync loop); ConfigError if the split cannot be."""
+    t = config.train
+    if t.get("mode", "sync") != "async":
+        return 0
+    if num_devices < 2:
+        fail(
+            "train.mode",
+            f"'async' needs 2 devices or more (one per side), this host has {num_devices}; on "
+            "a CPU set XLA_FLAGS=--xla_force_host_platform_device_count=2",
+        )
+    n = int(t.async_rollout_devices) or num_devices // 2
+    if not 0 < n < num_devices:
+        fail(
+            "train.async_rollout_devices",
+            f"{n} leaves no device for the {'trainer' if n else 'sampler'} of {num_devices}",
+        )
+    if n % int(t.async_rollout_tensor):
+        fail("train.async_rollout_tensor", f"{t.async_rollout_tensor} does not divide {n}")
+    return n
+
+
+def check(config) -> None:
+    """What the async mode needs of the processes and devices (experiment.validate)."""
+    if config.train.get("mode", "sync") != "async":
+        return
+    if jax.process_count() > 1:
+        fail(
+            "train.mode",
+            f"'async' runs on one process, this run has {jax.process_count()}: the sampler's "
+            "and the trainer's programs would be launched in different orders on different "
+            "hosts (JAX multi-controller); use 'sync' (docs/running.md)",
+        )
+    rollout_device_count(config, jax.device_count())
+
+
+def meshes(config):
+    """(train mesh, rollout mesh or None): the sync loop's one mesh over every device, or the
+    async split (first devices: rollout, the rest: train, shaped by config.mesh)."""
+    devices = jax.devices()
+    n = rollout_device_count(config, len(devices))
+    if not n:
+        return sharding_lib.make_mesh(dict(config.mesh)), None
+    shape = {"data": -1, "tensor": int(config.train.async_rollout_tensor)}
+    rollout = sharding_lib.make_mesh(shape, devices=devices[:n])
+    return sharding_lib.make_mesh(dict(config.mesh), devices=devices[n:]), rollout
+
+
+@dataclasses.dataclass
+class Batch:
+    """One rollout batch in the queue: the step `index` that trains on it."""
+
+    index: int
+    version: int  # the params version that drew its policy rows (Rollout.policy_version)
+    rollout: rollout_lib.Rollout
+    metrics: dict
+    data_after: dict  # the batcher's position after its prompts (a checkpoint's data)
+    draw_s: float
+
+
+class Sampler:
+    """The host thread that fills the queue (module docstring). `publish` hands it params,
+    `set_budget` the lag budget; `next_batch` is the trainer's side."""
+
+    def __init__(self, run, batcher, external, params, version, start, budget, capacity):
+        self._run, self._batcher, self._external, self._budget = run, batcher, external, budget
+        self._version, self._params = version, params
+        self._queue: queue.Queue[Batch] = queue.Queue(maxsize=capacity)
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._main, args=(start,), name="ess_jax-sampler", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ trainer side
+    def publish(self, version: int, params) -> None:
+        with self._cond:
+            self._version, self._params = version, params
+            self._cond.notify_all()
+
+    def set_budget(self, budget: int) -> None:
+        with self._cond:
+            self._budget = budget
+            self._cond.notify_all()
+
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def next_batch(self) -> Batch:
+        """The next batch; SamplerError at once if the thread died (never a hang)."""
+        while True:
+            try:
+                return self._queue.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.error is not None:
+                    raise SamplerError(f"the sampler thread failed: {self.error!r}") from (
+                        self.error
+                    )
+                if not self._thread.is_alive():
+                    raise SamplerError("the sampler thread stopped") from None
+
+    def stop(self, timeout: float = 600.0) -> None:
+        """Tell the thread to stop and wait for it (a collection in flight finishes first)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logging.error("the sampler thread did not stop within %.0f s", timeout)
+
+    # ------------------------------------------------------------------ sampler side
+    def _main(self, k: int) -> None:
+        try:
+            while not self._stop.is_set():
+                got = self._wait_for_params(k)
+                if got is None:
+                    return
+                batch = self._draw(k, *got)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(batch, timeout=POLL_S)
+                        break
+                    except queue.Full:
+                        continue
+                k += 1
+        except BaseException as e:
+            logging.error("sampler thread failed:\n%s", traceback.format_exc())
+            self.error = e
+
+    def _wait_for_params(self, k: int):
+        """(version, params) once batch k may be drawn (k - version <= budget); None on stop."""
+        with self._cond:
+            while k - self._version > self._budget:
+                if self._stop.is_set():
+                    return None
+                self._cond.wait(POLL_S)
+            return None if self._stop.is_set() else (self._version, self._params)
+
+    def _draw(self, k: int, version: int, params) -> Batch:
+        run = self._run
+        t0 = time.perf_counter()
+        rng = jax.random.fold_in(jax.random.fold_in(run.rng, 1), k)  # the sync loop's key
+        rollout, metrics = dynamic_sampling.collect_batch(
+            rollout_lib.PolicySource(run.model_cfg, params, version),
+            self._batcher,
+            run.tokenizer,
+            run.reward_fn,
+            run.rollout_cfg,
+            rng,
+            external=self._external,
+        )
+        data = self._batcher.state()
+        return Batch(k, version, rollout, metrics, data, time.perf_counter() - t0)
+
+
+class SyncLoop:
+    """train.mode "sync": each step samples then trains (`Run.rl_step`); nothing to start."""
+
+    def __init__(self, run):
+        self.step = run.rl_step
+
+    def start(self, start: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class ActorLearner:
+    """train.mode "async": the steps of `Run._run`, each fed by the sampler thread.
+
+    Two data positions: the sampler's own batcher (`PromptBatcher.fork`) reads ahead, and the
+    run's batcher is moved to each batch's `data_after` as the trainer takes it, so a
+    checkpoint (`Run.save`, `Run.save_on_interrupt`) holds the position of the batches
+    trained on and the queue is dropped (module docstring)."""
+
+    def __init__(self, run):
+        self.run, c = run, run.config
+        self.rollout_sh = model_lib.param_shardings(run.model_cfg, run.rollout_mesh, "sample")
+        self.every = int(c.train.sync_every)
+        self.pacer = LagController(int(c.rollout.max_lag), self.every - 1, c.rollout.target_ess)
+        self.sampler: Sampler | None = None
+        self.first = 0  # the step the sampler started at (its params were pushed then)
+
+    def push(self, version: int) -> tuple[Any, float]:
+        """The trainer's params on the rollout mesh's sample layout, handed to the sampler
+        (when it runs) as `version`; and the seconds the copy took."""
+        t0 = time.perf_counter()
+        params = jax.block_until_ready(jax.device_put(self.run.state.params, self.rollout_sh))
+        if self.sampler is not None:
+            self.sampler.publish(version, params)
+        return params, time.perf_counter() - t0
+
+    def start(self, start: int) -> None:
+        """The sampler thread from batch `start` with the params of version `start`."""
+        run = self.run
+        external = None
+        if run.external is not None:  # a copy on the rollout mesh for the whole run
+            e = run.external
+            sh = model_lib.param_shardings(e.cfg, run.rollout_mesh, "sample")
+            external = rollout_lib.PolicySource(e.cfg, jax.device_put(e.params, sh), -1)
+        params, _ = self.push(start)
+        self.first = start
+        self.sampler = Sampler(
+            run,
+            run.batcher.fork(),
+            external,
+            params,
+            start,  # the version of those params
+            start,  # the first batch to draw
+            self.pacer.budget,
+            capacity=int(run.config.rollout.max_lag) + 1,
+        )
+
+    def stop(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+
+    def step(self, step: int) -> dict:
+        """Push the params when a push is due (as version `step`, every sync_every steps),
+        wait for batch `step`, train on it; its metrics row. The push waits for the start of
+        the next step, when the row of the last one is written: a Ctrl-C during the push finds
+        that step whole, and the checkpoint it writes skips no row."""
+        due = step > self.first and step % self.every == 0
+        push_s = self.push(step)[1] if due else 0.0
+        run, t0 = self.run, time.perf_counter()
+        with preemption.interruptible():  # waiting touches nothing of the train state
+            batch = self.sampler.next_batch()
+        if batch.index != step:
+            raise RuntimeError(f"the sampler sent batch {batch.index} for step {step}")
+        depth = self.sampler.depth()
+        run.step_start = (run.batcher.state(), int(run.state.step))  # Ctrl-C rewinds to it
+        run.batcher.restore(batch.data_after)
+        row = run.learn(step, batch.rollout, batch.metrics, batch.version, None, t0)
+        versions = np.asarray(batch.rollout.policy_version)
+        lags = step - versions[versions >= 0]  # the external model's rows (-1) have no lag
+        budget = self.pacer.update(float(row["ess"]))
+        self.sampler.set_budget(budget)
+        row.update(
+            lag_mean=float(lags.mean()) if lags.size else 0.0,
+            lag_max=int(lags.max()) if lags.size else 0,
+            lag_budget=budget,
+            queue_depth=depth,
+            draw_s=batch.draw_s,
+            push_s=push_s,
+        )
+        return row
+
+
+def loop_for(run):
+    """What `Run._run` calls each step: `SyncLoop` or `ActorLearner` by train.mode."""
+    return ActorLearner(run) if run.config.train.mode == "async" else SyncLoop(run)

@@ -1,0 +1,94 @@
+"""model.lora in the RL loop: the adapters attached to a loaded policy, the sampler's copy of
+base + adapters, and the exports (a merged HF checkpoint, a PEFT adapter directory).
+
+With model.lora.rank > 0, `Run` holds the base in `TrainState.frozen` and the adapters in
+`TrainState.params`: the optimizer, the policy history (rollout.lag), the proximal and
+reference snapshots and the checkpoints all hold adapters only; the base is model.source,
+reloaded on a resume. The sampler draws from the merged weights W + (alpha / R) A B
+(`SAMPLER_FORM`): one dense matmul per weight per decode step instead of three.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import jax
+
+from ess_jax.config.schema import lora_targets
+from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
+from ess_jax.rl.rollout import PolicySource
+
+# How the sampler runs base + adapters: "merged" (W + (alpha / R) A B once per collection, the
+# plain model's decode) or "adapters" (x W + (alpha / R) (x A) B in every matmul). Side by
+# side in one process on the CPU (bench/lora.py, BENCHMARKS.md), rank 8, 32 rows, 64 new
+# tokens: "adapters" 1.20x the time at bench/cpu.py's 32M model, 1.47x at dim 256.
+SAMPLER_FORM = "merged"
+
+
+def lora_settings(mcfg) -> tuple[int, float, tuple[str, ...]]:
+    spec = mcfg.get("lora")
+    if spec is None:
+        return 0, 16.0, lora.TARGETS
+    return int(spec.rank), float(spec.alpha), lora_targets(spec.targets)
+
+
+def attach(mcfg, cfg, params, mesh=None, seed: int = 0):
+    """(cfg, frozen base or None, trainable params) of a loaded policy: without model.lora
+    (rank 0) the params themselves; else the LoRA cfg, the params as the frozen base and fresh
+    adapters (B = 0: the policy is the base's), each created in the shard of its base matmul."""
+    rank, alpha, targets = lora_settings(mcfg)
+    if not rank:
+        return cfg, None, params
+    cfg = lora.with_lora(cfg, rank, alpha, targets)
+    shardings = None if mesh is None else lora.split(model_lib.param_shardings(cfg, mesh))[1]
+    adapters = lora.init_adapters(cfg, jax.random.key(seed, impl="rbg"), shardings)
+    return cfg, params, adapters
+
+
+@functools.lru_cache(maxsize=8)
+def _merge_fn(cfg, mesh, layout: str):
+    out = None
+    if mesh is not None:
+        out = model_lib.param_shardings(lora.base_config(cfg), mesh, layout)
+    return jax.jit(functools.partial(lora.merge, cfg), out_shardings=out)
+
+
+def merged(cfg, frozen, adapters, layout: str = "sample"):
+    """W + (alpha / R) A B for every adapter: the plain model's params (`lora.base_config`), in
+    `layout` on the base's mesh (for the sampler: the merge and its gather in one program)."""
+    return _merge_fn(cfg, _mesh_of(frozen), layout)(frozen, adapters)
+
+
+def _mesh_of(tree):
+    sharding = getattr(jax.tree.leaves(tree)[0], "sharding", None)
+    return getattr(sharding, "mesh", None)
+
+
+def source(cfg, frozen, params, version: int) -> PolicySource:
+    """What the sampler draws from: the policy itself, or base + adapters (`SAMPLER_FORM`)."""
+    if frozen is None:
+        return PolicySource(cfg, params, version)
+    if SAMPLER_FORM == "merged":
+        return PolicySource(lora.base_config(cfg), merged(cfg, frozen, params), version)
+    return PolicySource(cfg, lora.join(frozen, params), version)
+
+
+def export(cfg, frozen, params, hf_dir: str, peft_dir: str, tokenizer, base_source: str):
+    """The merged HF checkpoint in `hf_dir`; the PEFT adapter in `peft_dir`, written to
+    `peft_dir`.tmp first and renamed (a reader never sees half of one)."""
+    from ess_jax.io import peft_adapter, weights
+
+    full = merged(cfg, frozen, params, layout="train")
+    weights.save_hf(lora.base_config(cfg), full, hf_dir, tokenizer=tokenizer)
+    tmp = peft_dir + ".tmp"
+    primary = jax.process_index() == 0
+    if primary and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    peft_adapter.save_peft(cfg, params, tmp, base_model=base_source)
+    if primary:
+        if os.path.exists(peft_dir):
+            shutil.rmtree(peft_dir)
+        os.replace(tmp, peft_dir)

@@ -1,0 +1,216 @@
+"""LoRA (model.lora): adapters on the block matmuls, a frozen base, adapter-only training state,
+checkpoints and exports (a merged HF checkpoint, a PEFT adapter that `peft` loads)."""
+
+import json
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_model_cfg
+
+from configs import quickstart
+from ess_jax.io import peft_adapter, weights
+from ess_jax.io.checkpoint import Checkpointer
+from ess_jax.memory import planner as memory
+from ess_jax.model import decoder as model
+from ess_jax.model import lora
+from ess_jax.rl import train
+from ess_jax.rl.metrics import read_metrics
+
+RANK, ALPHA = 4, 8.0
+_logits = jax.jit(model.apply, static_argnums=0)  # one compile per config, no eager NNX
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny model with adapters on every target, B random (as after training)."""
+    cfg = lora.with_lora(tiny_model_cfg(), RANK, ALPHA, lora.TARGETS)
+    base = model.init_params(lora.base_config(cfg), 0)
+    adapters = lora.init_adapters(cfg, jax.random.key(1))
+    key = jax.random.key(2)
+    adapters = jax.tree.map(
+        lambda x: x if x.any() else 0.3 * jax.random.normal(key, x.shape), adapters
+    )
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
+    return cfg, base, adapters, tokens
+
+
+def test_fresh_adapters_leave_the_base_model_unchanged(tiny):
+    """Catches adapters that start non-zero (B must be 0) or a LoRA path that changes the base
+    matmuls: a fresh LoRA model's logits must be the base model's, bit for bit."""
+    cfg, base, _, tokens = tiny
+    fresh = lora.init_adapters(cfg, jax.random.key(5))
+    assert all(not b.any() for *_, b in lora.pairs(fresh))
+    assert all(a.std() > 0 for *_, a, _ in lora.pairs(fresh))
+    got = _logits(cfg, lora.join(base, fresh), tokens)
+    np.testing.assert_array_equal(got, _logits(lora.base_config(cfg), base, tokens))
+
+
+def test_merge_matches_float64_reference_and_the_unmerged_forward(tiny):
+    """Catches a wrong scale (alpha / R), a transposed or misordered A B product on the
+    head-split q / k / v ([D, H, K]) and o ([H, K, D]) weights, and a forward whose in-matmul
+    adapters differ from the merged weights the sampler uses: merge against numpy float64
+    W + (alpha / R) A B, then merged logits against unmerged ones."""
+    cfg, base, adapters, tokens = tiny
+    merged = lora.merge(cfg, base, adapters)
+    n = 0
+    for i, module, name, a, b in lora.pairs(adapters):
+        w = np.asarray(base["layers"][i][module][name], np.float64)
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        ref = w + (ALPHA / RANK) * (a64.reshape(-1, RANK) @ b64.reshape(RANK, -1)).reshape(w.shape)
+        np.testing.assert_allclose(merged["layers"][i][module][name], ref, rtol=1e-5, atol=1e-6)
+        n += 1
+    assert n == 2 * len(lora.TARGETS)
+    unmerged = _logits(cfg, lora.join(base, adapters), tokens)
+    plain = _logits(lora.base_config(cfg), merged, tokens)
+    np.testing.assert_allclose(unmerged, plain, atol=2e-5)
+    assert float(jnp.abs(plain - _logits(lora.base_config(cfg), base, tokens)).max()) > 0.1
+
+
+def test_adapter_params_shard_like_their_base_matmul():
+    """Catches adapters left replicated or given another layout than their weight: A takes the
+    weight's input axes, B its output axes (q's B over the tensor axis like q's heads)."""
+    mesh = jax.make_mesh(
+        (2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3
+    )
+    cfg = lora.with_lora(tiny_model_cfg(), RANK, ALPHA, ("q", "o", "down"))
+    sh = model.param_shardings(cfg, mesh)
+    attn = sh["layers"][0]["attn"]
+    assert attn["lora"]["q"]["a"].spec[0] == attn["q"].spec[0] == "fsdp"
+    assert attn["lora"]["q"]["b"].spec[1] == attn["q"].spec[1] == "tensor"
+    assert attn["lora"]["o"]["a"].spec[0] == attn["o"].spec[0] == "tensor"
+    assert sh["layers"][0]["mlp"]["lora"]["down"]["b"].spec[1] == "fsdp"
+    assert set(sh["layers"][0]["attn"]["lora"]) == {"q", "o"}  # only the targets
+
+
+def test_peft_loads_our_adapter_onto_the_hf_base_and_the_merged_export(tiny, tmp_path):
+    """Catches a PEFT export that transposes A / B, misnames a module, or states another
+    r / alpha: PEFT's model (HF base + our adapter) must give our logits, and so must the
+    merged HF checkpoint loaded by transformers."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    cfg, base, adapters, tokens = tiny
+    weights.save_hf(lora.base_config(cfg), base, tmp_path / "base")
+    peft_adapter.save_peft(cfg, adapters, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    conf = json.loads((tmp_path / "adapter" / peft_adapter.CONFIG_FILE).read_text())
+    assert conf["r"] == RANK and conf["lora_alpha"] == ALPHA and len(conf["target_modules"]) == 7
+    ours = np.asarray(_logits(cfg, lora.join(base, adapters), tokens))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    with_adapter = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        got = with_adapter(torch.tensor(np.asarray(tokens))).logits.numpy()
+    np.testing.assert_allclose(got, ours, atol=1e-4)
+
+    weights.save_hf(lora.base_config(cfg), lora.merge(cfg, base, adapters), tmp_path / "merged")
+    m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        got = m(torch.tensor(np.asarray(tokens))).logits.numpy()
+    np.testing.assert_allclose(got, ours, atol=1e-4)
+
+
+def test_memory_plan_counts_adapters_and_their_optimizer_state_only():
+    """Catches a planner that counts the optimizer state, the policy history or the reference of
+    the whole model under LoRA: on one device each is a hand count of the adapters' floats
+    (R (in + out) per targeted weight, 4 bytes; AdamW: two moments)."""
+    c = quickstart.get_config()
+    c.model.lora.rank, c.rollout.lag, c.objective.beta_kl = 8, 2, 0.1
+    plan = memory.plan(c, 1, "h100", {"data": 1, "fsdp": 1, "tensor": 1})
+    d, f, h, n, k = 64, 192, 4, 2, 16  # the quickstart's embedded model, 2 layers
+    per_layer = 8 * ((d + h * k) * 2 + (d + n * k) * 2 + (d + f) * 2 + (f + d))
+    adapters = 4 * 2 * per_layer
+    assert plan.resident["adapters (f32)"] == adapters
+    assert plan.resident["optimizer state"] - 2 * adapters < 64  # + AdamW's step counter
+    assert plan.resident["policy history (3x)"] == 3 * adapters
+    assert plan.resident["reference params"] == adapters
+    c.model.lora.rank = 0
+    full = memory.plan(c, 1, "h100", {"data": 1, "fsdp": 1, "tensor": 1})
+    assert full.resident["optimizer state"] > 5 * plan.resident["optimizer state"]
+
+
+# ----------------------------------------------------------------------------- the RL loop
+
+
+def _config(**overrides):
+    c = quickstart.get_config("tiny")
+    c.sft.steps = 0
+    c.eval.every = 0
+    c.data.prompts_per_step = 2
+    c.rollout.group_size = 4  # 8 sequences: one per fake device
+    c.rollout.max_new_tokens = 4
+    c.model.lora.rank = 8
+    c.optim.lr = 2e-2  # B moves far from 0 in one update
+    for key, value in overrides.items():
+        section, leaf = key.split(".")
+        c[section][leaf] = value
+    return c
+
+
+def _coin(text, example):
+    """Half the completions rewarded (a stable hash of the text): nonzero advantages."""
+    return float(zlib.crc32(text.encode()) % 2)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A LoRA run (lag 0) after two RL steps: its rows, base params before, and the Run."""
+    run = train.Run(_config(), str(tmp_path_factory.mktemp("lora_run")))
+    run.reward_fn = _coin
+    base_before = jax.tree.map(np.asarray, run.state.frozen)
+    run.history.push(0, run.state.params)
+    rows = [run.rl_step(s) for s in range(2)]
+    yield run, rows, base_before
+    run.close()
+
+
+def test_on_policy_ess_stays_one_with_merged_sampler_weights(lora_run):
+    """Catches a sampler whose merged weights differ from the trainer's in-matmul adapters
+    (the recorded pi_b would then not be the trained policy's): at lag 0 the float32 ESS must
+    be 1 +- 1e-5, also at step 1 when the adapters are no longer zero."""
+    run, rows, _ = lora_run
+    for row in rows:
+        assert abs(row["ess"] - 1.0) < 1e-5, row
+        assert abs(row["ratio_max"] - 1.0) < 1e-5, row
+    assert rows[0]["grad_norm"] > 0  # not vacuous: the adapters moved before step 1
+    assert any(b.any() for *_, b in lora.pairs(run.state.params))
+
+
+def test_base_is_frozen_and_the_optimizer_holds_adapters_only(lora_run):
+    """Catches a base that trains (its params would move), an optimizer over the whole model
+    (its moments would hold the base's shapes) and a state that leaks the base into the
+    differentiated params."""
+    run, _, base_before = lora_run
+    jax.tree.map(np.testing.assert_array_equal, base_before, jax.device_get(run.state.frozen))
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(run.state.params)]
+    assert all(p[-3].key == "lora" and p[-1].key in ("a", "b") for p in paths)
+    n_adapters = sum(x.size for x in jax.tree.leaves(run.state.params))
+    assert n_adapters == lora.num_adapter_params(run.model_cfg)
+    opt_sizes = [x.size for x in jax.tree.leaves(run.state.opt_state) if x.ndim > 0]
+    assert sum(opt_sizes) == 2 * n_adapters  # Adam's mu and nu, adapters only
+
+
+def test_resume_with_lora_and_lag_2_is_exact_and_checkpoints_hold_adapters_only(tmp_path):
+    """Catches a resume that loses the adapters' optimizer state or the lag-2 policy history
+    (the resumed rows would differ from an uninterrupted run's), and checkpoints that store
+    the frozen base (its embedding would be among the saved arrays)."""
+    volatile = ("tokens_per_s", "sample_s", "step_s")
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in volatile} for r in rs]  # noqa: E731
+    c = _config(**{"rollout.lag": 2, "train.steps": 3, "train.checkpoint_every": 2})
+    c.optim.lr = 5e-3
+    full, part = tmp_path / "full", tmp_path / "part"
+    train.run(c, str(full))
+    short = _config(**{"rollout.lag": 2, "train.steps": 2, "train.checkpoint_every": 2})
+    short.optim.lr = 5e-3
+    train.run(short, str(part))
+    train.run(c, str(part))
+    assert strip(read_metrics(part)) == strip(read_metrics(full))
+    assert read_metrics(full)[-1]["policy_lag"] == 2
+
+    ckpt = Checkpointer(str(full / "checkpoints"))
+    saved = ckpt._mngr.item_metadata(ckpt.latest_step())["state"]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved)]
+    assert not any("embed" in p or "frozen" in p for p in paths), paths[:5]
+    assert any("'lora'" in p for p in paths)
