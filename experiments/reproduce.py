@@ -50,6 +50,7 @@ EXPERIMENTS = (
     "kl_estimators",
     "stability_map",
     "async_actor_learner",
+    "e3_lora",
 )
 # CPU devices per run where an experiment needs more than one: the async actor-learner's
 # sampler and trainer each get one (their runs are not bit-reproducible: the lag is measured)
