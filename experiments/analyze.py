@@ -336,6 +336,11 @@ def figure(experiment: str, arms: dict[str, dict[int, dict]], path: str) -> None
     plt.close(fig)
 
 
+# Experiments with a report of their own instead of table.md, figure.png and summary rows (the
+# stability map's 80 arms would make an unreadable table and legend): still read for shared runs.
+OWN_REPORT = ("stability_map",)
+
+
 def shared_runs(experiments: dict[str, dict[str, dict[int, dict]]]) -> dict[str, dict]:
     """{experiment: {arm: {seed: earlier experiment}}} for every run whose metrics equal, row for
     row (timing fields aside), a run of an experiment earlier in sorted order."""
@@ -365,6 +370,8 @@ def analyze(results: str) -> list[str]:
     written, summary, notes, counts = [], [], [], []
     totals = [0, 0, 0, 0]
     for experiment, arms in experiments.items():
+        if experiment in OWN_REPORT:
+            continue
         exp_dir = os.path.join(results, experiment)
         exp_shared = shared.get(experiment, {})
         with open(os.path.join(exp_dir, "table.md"), "w") as f:
