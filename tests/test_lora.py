@@ -2,13 +2,13 @@
 checkpoints and exports (a merged HF checkpoint, a PEFT adapter that `peft` loads)."""
 
 import json
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_model_cfg
+from test_train import coin_reward, tiny_config
 
 from configs import quickstart
 from ess_jax.io import peft_adapter, weights
@@ -135,30 +135,16 @@ def test_memory_plan_counts_adapters_and_their_optimizer_state_only():
 
 
 def _config(**overrides):
-    c = quickstart.get_config("tiny")
-    c.sft.steps = 0
-    c.eval.every = 0
-    c.data.prompts_per_step = 2
-    c.rollout.group_size = 4  # 8 sequences: one per fake device
-    c.rollout.max_new_tokens = 4
-    c.model.lora.rank = 8
-    c.optim.lr = 2e-2  # B moves far from 0 in one update
-    for key, value in overrides.items():
-        section, leaf = key.split(".")
-        c[section][leaf] = value
-    return c
-
-
-def _coin(text, example):
-    """Half the completions rewarded (a stable hash of the text): nonzero advantages."""
-    return float(zlib.crc32(text.encode()) % 2)
+    """test_train's tiny RL config with rank-8 adapters and an lr that moves B far from 0 in one
+    update."""
+    return tiny_config(**{"model.lora.rank": 8, "optim.lr": 2e-2, **overrides})
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A LoRA run (lag 0) after two RL steps: its rows, base params before, and the Run."""
     run = train.Run(_config(), str(tmp_path_factory.mktemp("lora_run")))
-    run.reward_fn = _coin
+    run.reward_fn = coin_reward
     base_before = jax.tree.map(np.asarray, run.state.frozen)
     run.history.push(0, run.state.params)
     rows = [run.rl_step(s) for s in range(2)]
