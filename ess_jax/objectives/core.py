@@ -153,6 +153,18 @@ def mismatch_metrics(logp_BxT: jax.Array, batch: Batch) -> dict[str, jax.Array]:
     }
 
 
+def split_microbatches(x: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [M, B / M, ...], strided micro-batches (rows m, m + M, ...): with the batch
+    sharded over "data", every micro-batch keeps rows on every device, so no resharding happens
+    inside a scan over them."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def merge_microbatches(x_M: jax.Array) -> jax.Array:
+    """The inverse of `split_microbatches`: rows back in their batch order."""
+    return x_M.swapaxes(0, 1).reshape(-1, *x_M.shape[2:])
+
+
 # ------------------------------------------------------------ shared objective parts
 
 

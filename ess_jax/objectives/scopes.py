@@ -1,10 +1,10 @@
 """The three ESS scopes: one optimizer batch's loss, gradient and metrics over micro-batches.
 
-A micro-batch is a strided set of rows (`_split`), so with the batch sharded over devices every
-micro-batch has rows on every device and its statistics are pooled over all of them, as the
-reference code all-reduces a micro-batch's ESS over its data-parallel ranks. In the two
-micro-batch scopes, given a `key`, the rows are first shuffled within each device's block
-(`shuffle_rows`), as the reference code shuffles its micro-batches: a rollout batch lays its
+A micro-batch is a strided set of rows (`core.split_microbatches`), so with the batch sharded
+over devices every micro-batch has rows on every device and its statistics are pooled over all
+of them, as the reference code all-reduces a micro-batch's ESS over its data-parallel ranks. In
+the two micro-batch scopes, given a `key`, the rows are first shuffled within each device's
+block (`shuffle_rows`), as the reference code shuffles its micro-batches: a rollout batch lays its
 groups out as rows i*G + g with the external model's samples first in each group, so the
 strided split alone gives micro-batches that are all external or all policy whenever M is a
 multiple of G (G = 4, M = 16, 50% external: per-micro-batch ESS 0.32-0.998, the reference
@@ -41,7 +41,9 @@ from ess_jax.objectives.core import (
     STAT_KEYS,
     Batch,
     Metrics,
+    merge_microbatches,
     mismatch_metrics,
+    split_microbatches,
     step_statistics,
     token_counts,
 )
@@ -119,7 +121,7 @@ def step_loss_and_grad(
         rows = shuffle_rows(rows, key, row_blocks)
     scope = {"step": _step_scope, "microbatch": _microbatch_scope, "microbatch_local": _local_scope}
     loss, grads, metrics, logp_M = scope[config.ess_scope](acc, rows, shared, m)
-    return loss, grads, {**metrics, **mismatch_metrics(_merge(logp_M), rows)}
+    return loss, grads, {**metrics, **mismatch_metrics(merge_microbatches(logp_M), rows)}
 
 
 def row_permutation(key: jax.Array, batch_size: int, row_blocks: int = 1) -> jax.Array:
@@ -157,7 +159,7 @@ def _step_scope(acc: _Accumulator, rows: Batch, shared: Batch, m: int):
 
     A loss that reads the ESS needs it before any gradient: `_statistics_pass`. The others take
     the counts from the mask, and their ESS metrics from the micro-batches' own log-probs."""
-    micro = {k: _split(v, m) for k, v in rows.items()}
+    micro = {k: split_microbatches(v, m) for k, v in rows.items()}
     needed = ("ess", "num_tokens", "num_seqs") + (("ess_prox",) if "prox_logp" in rows else ())
     missing = not all(k in shared for k in needed)
     ess_after = ()  # step ESS metrics computed after the gradient pass
@@ -177,7 +179,7 @@ def _step_scope(acc: _Accumulator, rows: Batch, shared: Batch, m: int):
         logp_M = jnp.concatenate([logp_M, reused[3][None]])
     metrics = combine_metrics(metrics_M, "step")
     if ess_after:  # the step's ESS, as the statistics pass would have given it
-        stats = step_statistics(_merge(logp_M), rows)
+        stats = step_statistics(merge_microbatches(logp_M), rows)
         metrics.update({k: stats[k] for k in ess_after if k in metrics})
     return jnp.sum(loss_M), acc.cast(grads), metrics, logp_M
 
@@ -186,13 +188,17 @@ def _microbatch_scope(acc: _Accumulator, rows: Batch, shared: Batch, m: int):
     """The reference code's default: each micro-batch's own ESS, the step's token counts (they
     need only the mask); losses and gradients sum."""
     shared = {**token_counts(rows), **shared}
-    grads, loss_M, metrics_M, logp_M = acc.scan({k: _split(v, m) for k, v in rows.items()}, shared)
+    grads, loss_M, metrics_M, logp_M = acc.scan(
+        {k: split_microbatches(v, m) for k, v in rows.items()}, shared
+    )
     return jnp.sum(loss_M), acc.cast(grads), combine_metrics(metrics_M, "microbatch"), logp_M
 
 
 def _local_scope(acc: _Accumulator, rows: Batch, shared: Batch, m: int):
     """Each micro-batch's own ESS and counts; losses and gradients are averaged."""
-    grads, loss_M, metrics_M, logp_M = acc.scan({k: _split(v, m) for k, v in rows.items()}, shared)
+    grads, loss_M, metrics_M, logp_M = acc.scan(
+        {k: split_microbatches(v, m) for k, v in rows.items()}, shared
+    )
     scale = 1.0 / m
     return (
         jnp.sum(loss_M) * scale,
@@ -240,16 +246,6 @@ class _Accumulator:
         return jax.tree.map(lambda g, p: (g * scale).astype(jnp.result_type(p)), grads, self.params)
 
 
-def _split(x: jax.Array, m: int) -> jax.Array:
-    # Strided micro-batches (rows m, m + M, ...): with the batch sharded over "data", every
-    # micro-batch keeps rows on every device, so no resharding happens inside the scan.
-    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-
-
-def _merge(x_M: jax.Array) -> jax.Array:
-    return x_M.swapaxes(0, 1).reshape(-1, *x_M.shape[2:])
-
-
 def _statistics_pass(logp_fn, loss_of, params, micro, rows, shared):
     """ess_scope "step" for a loss that reads the ESS: the step's statistics before any gradient.
 
@@ -274,11 +270,11 @@ def _statistics_pass(logp_fn, loss_of, params, micro, rows, shared):
 
     _, logp_head = jax.lax.scan(stats_pass, None, head)
     if not reuse:
-        return {**step_statistics(_merge(logp_head), rows), **shared}, None
+        return {**step_statistics(merge_microbatches(logp_head), rows), **shared}, None
     last = {k: v[-1] for k, v in micro.items()}
     out, backward = jax.vjp(lambda p: logp_fn(p, {**last, **shared}), params)
     logp_MxBxT = jnp.concatenate([logp_head, _logp_of(out)[None]])
-    shared = {**step_statistics(_merge(logp_MxBxT), rows), **shared}
+    shared = {**step_statistics(merge_microbatches(logp_MxBxT), rows), **shared}
     loss, loss_backward, metrics = jax.vjp(
         lambda out: loss_of(out, {**last, **shared}), out, has_aux=True
     )

@@ -59,9 +59,11 @@ from ess_jax.objectives.core import (
     aux_logp,
     finish,
     kept_mask,
+    merge_microbatches,
     prepare,
     ratio,
     seq_sum,
+    split_microbatches,
 )
 
 # their get_weighted_mean's eps: keeps the baseline finite for a group whose weights are all 0
@@ -134,10 +136,9 @@ def seq_grad_sq(
         ]
         return sum(sq), logp_bxT
 
-    split = {k: v.reshape(v.shape[0] // m, m, *v.shape[1:]).swapaxes(0, 1) for k, v in rows.items()}
+    split = {k: split_microbatches(v, m) for k, v in rows.items()}
     sq_MxB, logp_MxBxT = jax.lax.map(micro, split)
-    merge = lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:])  # noqa: E731
-    return merge(sq_MxB), merge(logp_MxBxT)
+    return merge_microbatches(sq_MxB), merge_microbatches(logp_MxBxT)
 
 
 def batch_pass(
