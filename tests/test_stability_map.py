@@ -111,10 +111,10 @@ def test_report_tables_and_regeneration_is_byte_identical(tmp_path, monkeypatch)
     assert "| t0.6 | p3o | p3o_cap_only | 3 | +0.000 [+0.000, +0.000] | 1.000 | 1.000 " in text
     assert "same runs (timing fields aside): p3o_cap_only = p3o (seeds 0, 1, 2)." in text
     assert "Holm over the 6 comparisons" in text and "corrected |" not in text
-    # stable at t0.6 and t1.5, 7 not run: a tie, both widest; p3o: t0.6 stable, t1.5 not
+    # stable at t0.6 and t1.5, 8 not run: a tie, both widest; p3o: t0.6 stable, t1.5 not
     assert (
-        "| grpo_eps0.2 | 2 | 9 | - | t1.0, t1.2, t2.0, fp8, lag8, ext50, upd4 | - | widest |"
-        in text
+        "| grpo_eps0.2 | 2 | 10 | - | t1.0, t1.2, t2.0, fp8, calib, lag8, ext50, upd4 | - "
+        "| widest |" in text
     )
-    assert "| p3o_cap_only | 2 | 9 | - |" in text and text.count("| widest |") == 2
-    assert "| p3o | 1 | 9 | t1.5 |" in text
+    assert "| p3o_cap_only | 2 | 10 | - |" in text and text.count("| widest |") == 2
+    assert "| p3o | 1 | 10 | t1.5 |" in text

@@ -38,6 +38,14 @@ STEPS = 150
 CALIBRATED_PRECISION = "int4"
 CALIBRATED_KV_CACHE = "fp8"
 
+
+def calibrated(c):
+    """c with the calibrated mismatch: the sampler's weights and KV cache in the formats above."""
+    c.rollout.precision = CALIBRATED_PRECISION
+    c.rollout.kv_cache_precision = CALIBRATED_KV_CACHE
+    return c
+
+
 # Objective arms: config overrides, named as in configs/paper/.
 OBJECTIVES = {
     "grpo_eps0.2": {"name": "grpo", "clip_eps_low": 0.2, "clip_eps_high": 0.2},

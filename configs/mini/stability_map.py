@@ -5,6 +5,8 @@ hyper-parameters for every arm (nothing tuned per arm or per condition).
 Conditions (arm prefix):
   t0.6 t1.0 t1.2 t1.5 t2.0   rollout temperature (pi_b is the tempered sampler);
   fp8                        fp8 sampler (float8_e4m3fn weights, per-channel scales), T 1;
+  calib                      the calibrated mismatch (common.CALIBRATED_*: int4 weights, fp8 KV
+                             cache, closest to SmolLM2-135M's fp8 statistics), T 1;
   lag8                       rollouts from the policy 8 updates old, T 1;
   ext50                      half of each group from the external model of warm_start.py, T 1;
   upd4                       4 optimizer steps per rollout batch at T 1.2.
@@ -26,7 +28,7 @@ one arm by hand, after its seed's warm start:
 
 from configs.mini import common
 
-CONDITIONS = ("t0.6", "t1.0", "t1.2", "t1.5", "t2.0", "fp8", "lag8", "ext50", "upd4")
+CONDITIONS = ("t0.6", "t1.0", "t1.2", "t1.5", "t2.0", "fp8", "calib", "lag8", "ext50", "upd4")
 OBJECTIVES = (
     "grpo_eps0.2",
     "grpo_tis",
@@ -38,13 +40,14 @@ OBJECTIVES = (
     "m2po",
     "vcpo",
 )
-# P3O with the exact KL has no fp8 arm: the fp8 decode cannot be re-scored exactly
-# (config/schema.py:check_full_kl refuses it), so that cell of the map stays empty.
+# P3O with the exact KL has no fp8 or calib arm: a low-precision decode cannot be re-scored
+# exactly (config/schema.py:check_full_kl refuses it), so those cells of the map stay empty.
+LOW_PRECISION = ("fp8", "calib")
 ARMS = tuple(
     f"{cond}_{obj}"
     for cond in CONDITIONS
     for obj in OBJECTIVES
-    if (cond, obj) != ("fp8", "p3o_full")
+    if not (cond in LOW_PRECISION and obj == "p3o_full")
 )
 # Arms whose groups are half drawn by the external model (experiments/reproduce.py passes it).
 EXTERNAL_ARMS = tuple(arm for arm in ARMS if arm.startswith("ext50_"))
@@ -64,6 +67,8 @@ def get_config(arg: str | None = None):
         c.rollout.temperature = float(condition[1:])
     elif condition == "fp8":
         c.rollout.precision = "fp8"
+    elif condition == "calib":
+        common.calibrated(c)
     elif condition == "lag8":
         c.rollout.lag = 8
     elif condition == "ext50":
