@@ -56,10 +56,11 @@ app.run(main.main, flags_parser=main._parse_flags)
 """
 
 
-def _start(workdir, cache, slow=False):
-    """The run on `workdir`, its stderr (progress bars, warnings, the last line) in
-    `<workdir>.err`."""
-    args = [f"--config.{k}={v}" for k, v in RUN.items()]
+def _start(workdir, cache, slow=False, **extra):
+    """The run on `workdir` (RUN's overrides, then `extra`'s, dots as "__"), its stderr
+    (progress bars, warnings, the last line) in `<workdir>.err`."""
+    overrides = {**RUN, **{k.replace("__", "."): v for k, v in extra.items()}}
+    args = [f"--config.{k}={v}" for k, v in overrides.items()]
     entry = ["-c", SLOW_MAIN] if slow else ["-m", "ess_jax.main"]
     with open(f"{workdir}.err", "a") as err:
         return subprocess.Popen(
@@ -158,3 +159,46 @@ def test_sigterm_is_held_through_a_checkpoint_save_and_raised_at_the_step_end(tm
             time.sleep(5)  # not reached: the handler raises first
     assert signal.getsignal(signal.SIGTERM) is before
     ckpt.close()
+
+
+# format reward: the untrained tiny model earns it on some groups, so the adapters get gradients
+# (addition earns nothing without SFT, and a zero gradient never exercises the optimizer state)
+LORA_LAG = {
+    "model__lora__rank": 4,
+    "rollout__lag": 2,
+    "optim__lr": 5e-3,
+    "train__steps": 8,
+    "task__reward": "format",
+}
+
+
+def test_kill_9_with_lora_and_lag_2_resumes_exactly(tmp_path):
+    """Catches a kill -9 (no handler runs) that loses what a LoRA run with lag 2 needs to resume:
+    the adapters' optimizer state, the lag-2 history of adapter snapshots, or rows written after
+    the last checkpoint that the resume would keep twice. The resumed run's rows must equal an
+    uninterrupted run's, timing aside, and the kill must land after a checkpoint but mid-run."""
+    cache, cut, full = tmp_path / "jax_cache", tmp_path / "cut", tmp_path / "full"
+    ref = _start(full, cache, **LORA_LAG)  # compiles into the cache the others load from
+    assert ref.wait(timeout=300) == 0, _err(full)
+    p = _start(cut, cache, slow=True, **LORA_LAG)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_rows(cut)) < 5:  # step 4's checkpoint is written, step 5's row maybe
+            assert p.poll() is None and time.monotonic() < deadline, _err(cut)
+            time.sleep(0.05)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == -signal.SIGKILL
+    saved = Checkpointer(str(cut / "checkpoints")).latest_step()
+    assert saved is not None and 2 <= saved < 8, saved
+    assert (cut / "lock").exists()  # kill -9 leaves the lock: the resume must take it over
+
+    resumed = _start(cut, cache, **LORA_LAG)
+    try:
+        assert resumed.wait(timeout=300) == 0, _err(cut)
+    finally:
+        resumed.kill()
+    assert len(_rows(full)) == 8 and _rows(full)[-1]["policy_lag"] == 2
+    assert _strip(_rows(cut)) == _strip(_rows(full))
