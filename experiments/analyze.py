@@ -13,6 +13,8 @@ and writes, without rerunning anything and byte for byte the same each time:
                                       share their warm start) with a 95% t-interval;
   <results>/<experiment>/figure.png   reward, ESS, capped fraction and entropy proxy against
                                       step (10-step means; line: mean over seeds, band: min-max);
+  <results>/async_actor_learner/lag.md  per arm, the lag distribution and throughput
+                                      (experiments/async_report.py);
   <results>/summary.md                every P3O-minus-baseline comparison in one table, and the
                                       collapse counts per arm;
   <results>/stability_map.md (+ PNGs) the stability map's report (experiments/stability_map.py).
@@ -379,6 +381,10 @@ def analyze(results: str) -> list[str]:
         figure(experiment, arms, os.path.join(exp_dir, "figure.png"))
         written += [os.path.join(exp_dir, "table.md"), os.path.join(exp_dir, "figure.png")]
         order = arm_order(experiment, list(arms))
+        if experiment == "async_actor_learner":  # and its lag.md: experiments/async_report.py
+            from experiments import async_report
+
+            written.append(async_report.write(exp_dir, arms, order))
         for c in comparisons(arms, order):
             seeds = [s for s in arms[c["ref"]] if s in arms[c["arm"]]]
             sources = {exp_shared.get(a, {}).get(s) for a in (c["ref"], c["arm"]) for s in seeds}

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from test_train import coin_reward, tiny_config
 
+from ess_jax import objectives as obj_lib
 from ess_jax.config import schema
 from ess_jax.data import char_tokenizer
 from ess_jax.io.checkpoint import Checkpointer
@@ -44,11 +45,13 @@ def _strip(rows):
 _STEPS: dict = {}
 
 
-def _run(config, workdir, learn_hook=None):
-    """A Run with the coin reward; `learn_hook(run, step, real_learn, *args)` wraps `learn`."""
+def _run(config, workdir, learn_hook=None, reward=coin_reward, steps_of=None):
+    """A Run with the coin reward; `learn_hook(run, step, real_learn, *args)` wraps `learn`.
+    `steps_of`: a config whose jitted RL steps this run's are (one that differs from `config`
+    in rollout fields only: the steps do not read them)."""
     run = train.Run(config, str(workdir))
-    run.reward_fn = coin_reward
-    run._rl_steps = _STEPS.setdefault(str(config), {})
+    run.reward_fn = reward
+    run._rl_steps = _STEPS.setdefault(str(steps_of or config), {})
     if learn_hook is not None:
         real = run.learn
         run.learn = lambda step, *a: learn_hook(run, step, real, *a)
@@ -84,10 +87,10 @@ def test_sync_rows_are_unchanged_by_the_dispatch_and_the_async_fields(tmp_path):
     assert _strip(rows) == _strip(ref_rows)
 
 
-@pytest.fixture(scope="module")
-def stale_run(tmp_path_factory):
-    """An async run of 5 steps whose trainer sleeps 0.3 s per step, so that the sampler runs
-    ahead to its lag budget; every batch the trainer took, and the params of every version."""
+def stale_async_run(config, workdir, reward=coin_reward, steps_of=None):
+    """Runs `config` (train.mode "async") with a trainer that sleeps 0.3 s per step, so that
+    the sampler runs ahead to its lag budget: (model config, {version: params}, [(step,
+    version, rollout)] of every batch the trainer took, the metrics rows)."""
     params, batches = {}, []
 
     def hook(run, step, learn, rollout, metrics, version, params_b, t0):
@@ -99,21 +102,29 @@ def stale_run(tmp_path_factory):
         params[step + 1] = jax.device_get(run.state.params)
         return row
 
-    wd = tmp_path_factory.mktemp("stale")
-    run = _run(tiny_config(**ASYNC), wd, hook)
+    run = _run(config, workdir, hook, reward, steps_of)
     assert run.mesh.size == 4 and run.rollout_mesh.size == 4
     assert not set(run.mesh.devices.flat) & set(run.rollout_mesh.devices.flat)
     run.run()
-    return run.model_cfg, params, batches, read_metrics(wd)
+    return run.model_cfg, params, batches, read_metrics(workdir)
+
+
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory):
+    """`stale_async_run` of ASYNC: 5 steps, max_lag 2, ESS-paced."""
+    return stale_async_run(tiny_config(**ASYNC), tmp_path_factory.mktemp("stale"))
 
 
 _score = jax.jit(scoring.token_logprobs, static_argnums=0, static_argnames="start")
 
 
-def _max_rescore_error(cfg, params, rollout) -> float:
-    """The largest |re-scored - recorded| pi_b log-prob over the trained tokens (float32)."""
+def max_rescore_error(cfg, params, rollout, rows=None) -> float:
+    """The largest |re-scored - recorded| pi_b log-prob over the trained tokens (float32) of
+    the rollout's `rows` (a bool per row; None: all)."""
     logp = _score(cfg, params, rollout.tokens, rollout.attn_mask, start=rollout.prompt_len)
     mask = np.asarray(rollout.loss_mask) > 0
+    if rows is not None:
+        mask = mask & np.asarray(rows)[:, None]
     return float(np.abs(np.asarray(logp) - rollout.behaviour_logp)[mask].max())
 
 
@@ -127,10 +138,10 @@ def test_each_rows_pi_b_is_its_recorded_versions_policy(stale_run):
     assert [s for s, _, _ in batches] == list(range(5))
     for step, version, rollout in batches:
         (tagged,) = set(np.asarray(rollout.policy_version).tolist())
-        assert _max_rescore_error(cfg, params[tagged], rollout) < 1e-5, (step, tagged)
+        assert max_rescore_error(cfg, params[tagged], rollout) < 1e-5, (step, tagged)
         assert tagged == version and 0 <= step - version <= ASYNC["rollout.max_lag"]
         if version >= 1:  # the planted off-by-one: the previous version must not pass
-            assert _max_rescore_error(cfg, params[version - 1], rollout) > 1e-4
+            assert max_rescore_error(cfg, params[version - 1], rollout) > 1e-4
     lags = [r["lag_max"] for r in rows]
     assert max(lags) == ASYNC["rollout.max_lag"], lags  # the sampler really ran ahead
     # the pacing is wired: each row's budget is the rule's answer to the ESS logged so far
@@ -140,6 +151,56 @@ def test_each_rows_pi_b_is_its_recorded_versions_policy(stale_run):
     assert [r["policy_lag"] for r in rows] == [s - v for s, v, _ in batches]
     assert all(0 <= r["queue_depth"] <= ASYNC["rollout.max_lag"] + 1 for r in rows)
     assert not _sampler_threads()
+
+
+def test_async_rows_carry_the_mismatch_of_the_trained_policy_against_pi_b(stale_run):
+    """Catches async rows without the sync loop's mismatch metrics (objectives.MISMATCH_KEYS),
+    non-finite ones, or ones measured against the wrong policy (e.g. pi_b against itself, 0
+    at any lag): each row's logratio_max and seq_logratio_mean must equal a float64 numpy
+    re-computation from an independent re-score (one device) with the params the trainer held
+    at the step's start, against the batch's recorded pi_b (1e-4)."""
+    cfg, params, batches, rows = stale_run
+    for row, (step, _, rollout) in zip(rows, batches):
+        assert all(np.isfinite(row[k]) for k in obj_lib.MISMATCH_KEYS), row
+        logp = _score(
+            cfg, params[step], rollout.tokens, rollout.attn_mask, start=rollout.prompt_len
+        )
+        mask = np.asarray(rollout.loss_mask) > 0
+        log_ratio = np.where(mask, np.asarray(logp, np.float64) - rollout.behaviour_logp, 0.0)
+        assert row["logratio_max"] == pytest.approx(np.abs(log_ratio).max(), abs=1e-4), step
+        want = log_ratio.sum() / mask.any(-1).sum()
+        assert row["seq_logratio_mean"] == pytest.approx(want, abs=1e-4), step
+    assert max(r["logratio_max"] for r in rows) > 1e-3  # stale batches: pi_theta moved away
+
+
+def test_a_resumed_paced_run_keeps_its_lag_budget(tmp_path):
+    """Catches the ESS pacing restarting from max_lag on resume (its state not in the
+    checkpoint, or restored after the sampler started with the initial budget): a Ctrl-C at
+    the start of step 3 checkpoints step 3; the resumed run's controller must hold the budget
+    and running ESS the interrupted one had after step 2, and every row of both runs the
+    budget that the rule (pacing.py), fed the ESS of every row since step 0, gives, as in an
+    uninterrupted run."""
+    config, seen = tiny_config(**ASYNC), {}
+
+    def interrupt(run, step, learn, *args):
+        if step == 3:
+            seen["saved"] = run.pacer.state()  # after step 2's update: what step 3 starts with
+            raise KeyboardInterrupt
+        return learn(step, *args)
+
+    def resume(run, step, learn, *args):
+        seen.setdefault("restored", (step, run.pacer.state()))
+        return learn(step, *args)
+
+    with pytest.raises(KeyboardInterrupt):
+        _run(config, tmp_path, interrupt).run()
+    _run(config, tmp_path, resume).run()
+    assert seen["saved"]["running"] is not None
+    assert seen["restored"] == (3, seen["saved"])
+    rows = read_metrics(tmp_path)
+    pacer = LagController(ASYNC["rollout.max_lag"], 0, ASYNC["rollout.target_ess"])
+    assert [r["step"] for r in rows] == list(range(5))
+    assert [r["lag_budget"] for r in rows] == [pacer.update(r["ess"]) for r in rows]
 
 
 def test_sigterm_and_ctrl_c_checkpoint_and_the_resume_loses_and_repeats_no_prompt(tmp_path):

@@ -142,8 +142,7 @@ def _check_async(get) -> None:
     """train.mode "async" (ess_jax/rl/actor_learner.py): the sampler waits for a params push
     when its next batch would be more than the lag budget behind, and pushes come every
     train.sync_every steps, so a budget under sync_every - 1 would wait forever. The sync
-    loop's simulated lag, the "full" KL (pi_b's params per version) and LoRA adapters (the
-    push copies whole params) are refused with it."""
+    loop's simulated lag and the "full" KL (pi_b's params per version) are refused with it."""
     v = get("train.mode", "rollout.max_lag", "train.sync_every", "rollout.lag")
     if not v or v[0] != "async":
         return
@@ -162,8 +161,6 @@ def _check_async(get) -> None:
             "'full' re-scores pi_b from its params, which train.mode 'async' does not keep per "
             "version: use k1/k2/k3",
         )
-    if (v := get("model.lora.rank")) and v[0] > 0:
-        fail("model.lora.rank", "train.mode 'async' pushes whole params, not LoRA adapters: use 0")
 
 
 def check_full_kl(config) -> None:
@@ -238,8 +235,12 @@ def _check_lora(get) -> None:
         bad = [t for t in targets if t not in LORA_TARGETS]
         if bad or not targets:
             fail("model.lora.targets", f"{bad or 'empty'}: a subset of {', '.join(LORA_TARGETS)}")
-    if (v := get("model.lora.rank", "train.mode")) and v[0] and v[1] == "async":
-        fail("model.lora.rank", "LoRA runs with train.mode 'sync' only")
+    if (v := get("model.lora.base_precision", "model.lora.rank")) and v[0] != "compute":
+        if not v[1]:
+            fail(
+                "model.lora.base_precision",
+                f"{v[0]!r} quantizes LoRA's frozen base: needs rank > 0",
+            )
 
 
 def check_names(config, paths: Iterable[str], what: str) -> None:

@@ -12,7 +12,9 @@ layout (embed replicated, tensor-sharded); the rest form the train mesh, shaped 
 the sync loop. At the start of each step s that is a multiple of train.sync_every (once step
 s - 1's row is written) the trainer copies its params with one `jax.device_put` onto the
 rollout mesh's NamedShardings (no host round trip) and hands them to the sampler as version s
-(the number of steps trained).
+(the number of steps trained). With model.lora a push copies the adapters alone: the rollout
+mesh gets its own copy of the frozen base once, when the sampler starts, and the sampler draws
+from base + adapters there (`lora_policy.source`: merged once per batch).
 
 Thread, not asynchronous dispatch alone: one collection is not one device program. It decodes
 in up to 4 jitted segments, brings the tokens to the host (rewards are Python functions of the
@@ -32,7 +34,8 @@ Checkpoints hold the trainer's state and the data position after the last batch 
 on. The queue's contents are dropped: on resume the sampler restarts from that position with
 the restored params, so the same prompts come back, with the same sampling keys
 (fold_in(key(seed), 1), k), drawn by the restored (newest) policy: no prompt is lost or
-trained on twice, and the re-drawn batches have lag 0.
+trained on twice, and the re-drawn batches have lag 0. The ESS pacing's state (budget and
+running ESS) is in the checkpoint's metadata and restored with it.
 
 Failure and signals. An exception in the sampler thread is raised in the trainer at its next
 wait as `SamplerError` from the original (its traceback is the cause). Ctrl-C and SIGTERM reach
@@ -65,8 +68,9 @@ import numpy as np
 
 from ess_jax.config.schema import fail
 from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import dynamic_sampling, preemption
+from ess_jax.rl import dynamic_sampling, lora_policy, preemption
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl.pacing import LagController
 
@@ -125,6 +129,15 @@ def meshes(config):
     return sharding_lib.make_mesh(dict(config.mesh), devices=devices[n:]), rollout
 
 
+def make_pacer(config) -> LagController | None:
+    """train.mode "async": the lag budget's controller (`pacing`), which `Run` keeps in its
+    checkpoints' metadata and restores on resume; None for the sync loop."""
+    if config.train.get("mode", "sync") != "async":
+        return None
+    every = int(config.train.sync_every)
+    return LagController(int(config.rollout.max_lag), every - 1, config.rollout.target_ess)
+
+
 @dataclasses.dataclass
 class Batch:
     """One rollout batch in the queue: the step `index` that trains on it."""
@@ -141,8 +154,9 @@ class Sampler:
     """The host thread that fills the queue (module docstring). `publish` hands it params,
     `set_budget` the lag budget; `next_batch` is the trainer's side."""
 
-    def __init__(self, run, batcher, external, params, version, start, budget, capacity):
+    def __init__(self, run, batcher, external, frozen, params, version, start, budget, capacity):
         self._run, self._batcher, self._external, self._budget = run, batcher, external, budget
+        self._frozen = frozen  # model.lora: the base on the rollout mesh (`params`: adapters)
         self._version, self._params = version, params
         self._queue: queue.Queue[Batch] = queue.Queue(maxsize=capacity)
         self._cond = threading.Condition()
@@ -223,7 +237,7 @@ class Sampler:
         t0 = time.perf_counter()
         rng = jax.random.fold_in(jax.random.fold_in(run.rng, 1), k)  # the sync loop's key
         rollout, metrics = dynamic_sampling.collect_batch(
-            rollout_lib.PolicySource(run.model_cfg, params, version),
+            lora_policy.source(run.model_cfg, self._frozen, params, version),
             self._batcher,
             run.tokenizer,
             run.reward_fn,
@@ -259,14 +273,18 @@ class ActorLearner:
     def __init__(self, run):
         self.run, c = run, run.config
         self.rollout_sh = model_lib.param_shardings(run.model_cfg, run.rollout_mesh, "sample")
+        self.frozen_sh = None  # model.lora: the base's shardings; rollout_sh the adapters'
+        if run.state.frozen is not None:
+            self.frozen_sh, self.rollout_sh = lora.split(self.rollout_sh)
         self.every = int(c.train.sync_every)
-        self.pacer = LagController(int(c.rollout.max_lag), self.every - 1, c.rollout.target_ess)
+        self.pacer = run.pacer  # restored from the checkpoint on resume (`make_pacer`)
         self.sampler: Sampler | None = None
         self.first = 0  # the step the sampler started at (its params were pushed then)
 
     def push(self, version: int) -> tuple[Any, float]:
-        """The trainer's params on the rollout mesh's sample layout, handed to the sampler
-        (when it runs) as `version`; and the seconds the copy took."""
+        """The trainer's params (model.lora: the adapters alone) on the rollout mesh's sample
+        layout, handed to the sampler (when it runs) as `version`; and the seconds the copy
+        took."""
         t0 = time.perf_counter()
         params = jax.block_until_ready(jax.device_put(self.run.state.params, self.rollout_sh))
         if self.sampler is not None:
@@ -281,12 +299,16 @@ class ActorLearner:
             e = run.external
             sh = model_lib.param_shardings(e.cfg, run.rollout_mesh, "sample")
             external = rollout_lib.PolicySource(e.cfg, jax.device_put(e.params, sh), -1)
+        frozen = None  # model.lora: the frozen base, copied to the rollout mesh once
+        if self.frozen_sh is not None:
+            frozen = jax.device_put(run.state.frozen, self.frozen_sh)
         params, _ = self.push(start)
         self.first = start
         self.sampler = Sampler(
             run,
             run.batcher.fork(),
             external,
+            frozen,
             params,
             start,  # the version of those params
             start,  # the first batch to draw

@@ -11,8 +11,10 @@ batch (pi moves away from pi_b), so the controller trades speed for ESS:
 an additive-increase / multiplicative-decrease rule, as TCP paces a sender by its losses. The
 floor is train.sync_every - 1: below it the sampler would wait for a push that never comes
 (config/schema.py refuses a max_lag under it for the same reason). The budget starts at
-max_lag, also on resume (the controller's state is not checkpointed). With target 0 the
-budget stays max_lag (no pacing).
+max_lag. A checkpoint holds the controller's `state` (budget and running ESS after the last
+step trained on, in its metadata: rl/train.py `Run.save`) and a resume `restore`s it, so a
+resumed run paces as the uninterrupted one would (tests/test_actor_learner.py). With target 0
+the budget stays max_lag (no pacing).
 """
 
 from __future__ import annotations
@@ -40,3 +42,14 @@ class LagController:
         else:
             self.budget = min(self.max_lag, self.budget + 1)
         return self.budget
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (JSON): the budget in effect and the running ESS."""
+        return {"budget": self.budget, "running": self.running}
+
+    def restore(self, state: dict) -> None:
+        """The `state` of a checkpoint; its budget clamped to [floor, max_lag] (a resume may
+        change rollout.max_lag or train.sync_every)."""
+        self.budget = min(self.max_lag, max(self.floor, int(state["budget"])))
+        running = state.get("running")
+        self.running = None if running is None else float(running)

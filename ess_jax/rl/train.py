@@ -91,6 +91,7 @@ class Run:
         self.lr_schedule = learning_rate_schedule(optim_cfg)
         self.state, self.state_sh = steps.init_state(params, self.tx, self.mesh, frozen)
         self.history = rollout_lib.ParamHistory(config.rollout.lag)
+        self.pacer = actor_learner.make_pacer(config)  # async: ESS pacing, kept in checkpoints
         self.external = None
         if config.rollout.external_fraction > 0:
             ecfg, eparams, _ = experiment.load_policy(
@@ -123,6 +124,7 @@ class Run:
             "step": step,
             "data": self.batcher.state(),
             "history_versions": [v for v, _ in self.history.state()],
+            **({"pacing": self.pacer.state()} if self.pacer else {}),
             "config": self.config.to_dict(),
         }
         self.ckpt.save(step, self._ckpt_tree(), meta, force=force)
@@ -139,6 +141,8 @@ class Run:
         self.ref_params = tree.get("ref")
         self.history.restore(list(zip(meta["history_versions"], tree["history"])))
         self.batcher.restore(meta["data"])
+        if self.pacer and "pacing" in meta:
+            self.pacer.restore(meta["pacing"])
         return step
 
     def _abstract_tree(self, n_history: int):
