@@ -143,9 +143,11 @@ def command_txt(job: Job, sets: tuple[str, ...] = ()) -> str:
 
 
 def xla_flags(experiment: str) -> str:
-    """XLA_FLAGS of a run: one XLA thread, and the experiment's DEVICES CPU devices."""
+    """XLA_FLAGS of a run: one XLA thread, and the experiment's DEVICES CPU devices. The device
+    count goes first: XLA stops reading flags at the bare `intra_op_parallelism_threads=1`
+    token of XLA_FLAGS, so a flag after it is ignored (the async runs then saw one device)."""
     n = DEVICES.get(experiment, 1)
-    return XLA_FLAGS + (f" --xla_force_host_platform_device_count={n}" if n > 1 else "")
+    return (f"--xla_force_host_platform_device_count={n} " if n > 1 else "") + XLA_FLAGS
 
 
 def result_dir(results: str, job: Job) -> str:

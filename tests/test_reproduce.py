@@ -159,3 +159,14 @@ def test_sweep_runs_skips_finished_and_command_txt_reproduces(tmp_path):
     assert "0 warm starts and 0 runs to go" in again.stdout, again.stdout + again.stderr
     # the committed command reproduces the committed metrics from scratch
     assert reproduce.check(str(res)) == 0
+
+
+def test_a_multi_device_experiment_gets_its_devices():
+    """Catches XLA_FLAGS that name the device count after the bare `intra_op_parallelism_threads=1`
+    token, where XLA stops reading flags: the async actor-learner's runs then saw one CPU device
+    and every one of them failed at start."""
+    env = {**os.environ, "XLA_FLAGS": reproduce.xla_flags("async_actor_learner")}
+    code = "import jax; print(jax.device_count())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == str(reproduce.DEVICES["async_actor_learner"]), out.stderr
+    assert reproduce.xla_flags("e1_clip_sweep") == reproduce.XLA_FLAGS  # one device: unchanged
