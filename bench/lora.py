@@ -8,8 +8,8 @@ The sampler with adapters, two forms:
   adapters  x W + (alpha / R) (x A) B in every matmul of every decode step
 
 `rl/lora_policy.SAMPLER_FORM` keeps the faster. `--train`: one P3O train step (steps.make_rl_step,
-one device, `train_batch` x `train_seq` tokens, 32 of them prompt) with LoRA against full
-fine-tuning.
+one device, `train_batch` x `train_seq` tokens, 32 of them prompt) with LoRA, and QLoRA on an
+int8 / int4 base (model.lora.base_precision), against full fine-tuning.
 
     python -m bench.lora [--set dim=256] [--rank 8] [--rows 32] [--new 64] [--train]
 """
@@ -26,7 +26,7 @@ import numpy as np
 
 from bench.common import Sizes
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import lora
+from ess_jax.model import lora, quant
 from ess_jax.sampling import sampler
 
 
@@ -110,10 +110,19 @@ def measure_train(s: Sizes, rank: int, repeats: int) -> dict:
     base = sharding.reshard(base, model_lib.param_shardings(cfg, mesh))
     adapters = sharding.reshard(adapters, lora.split(model_lib.param_shardings(lcfg, mesh))[1])
     runs = {}
+    # QLoRA: the same adapters on the base's block matrices as int8 / int4 codes (model/quant.py)
+    qlora = {
+        f"qlora_{q}": (
+            lcfg.replace(lora_base_precision=q),
+            quant.quantize_base(jax.tree.map(jnp.copy, base), q),  # its own embedding, norms
+        )
+        for q in ("int8", "int4")
+    }
     # each step donates its state: the full run trains a copy of the base the LoRA run freezes
     for name, c, params, frozen in (
         ("full", cfg, jax.tree.map(jnp.copy, base), None),
         ("lora", lcfg, adapters, base),
+        *((n, qc, jax.tree.map(jnp.copy, adapters), qb) for n, (qc, qb) in qlora.items()),
     ):
         state, sh = steps.init_state(params, tx, mesh, frozen)
         bsh = sharding.batch_sharding(mesh)
@@ -128,8 +137,8 @@ def measure_train(s: Sizes, rank: int, repeats: int) -> dict:
             jax.block_until_ready(run[1])
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"rank": rank, "full_s": med["full"], "lora_s": med["lora"],
-            "lora_over_full": med["lora"] / med["full"]}  # fmt: skip
+    out = {"rank": rank, **{f"{k}_s": v for k, v in med.items()}}
+    return {**out, **{f"{k}_over_full": med[k] / med["full"] for k in med if k != "full"}}
 
 
 def main(argv=None):

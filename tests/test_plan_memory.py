@@ -34,6 +34,12 @@ TRAIN_CASES = [  # devices, rows (global), prompt width, response tokens, logits
     # model.lora: a frozen base (TrainState.frozen), adapters and their AdamW state only
     dict(devices=1, rows=2, prompt=32, response=224, chunk=0, dtype="float32", lora=8),
     dict(devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="float32", lora=8),
+    # model.lora.base_precision: the frozen base's block matrices as int4 codes (QLoRA); on one
+    # device the step holds their dequantized copy, with FSDP the gathered weights
+    dict(devices=1, rows=2, prompt=32, response=224, chunk=0, dtype="float32", lora=8, base="int4"),
+    dict(
+        devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="float32", lora=8, base="int4"
+    ),
 ]
 SAMPLE_CASES = [  # devices, prompts, samples per prompt, bucketed prompt width, new tokens
     dict(devices=1, prompts=4, samples=3, prompt=128, new=96, chunk=0, precision="float32"),
@@ -66,7 +72,8 @@ def _train_case(case):
 
     model_cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
     if case.get("lora"):
-        model_cfg = lora.with_lora(model_cfg, case["lora"], 16.0, lora.TARGETS)
+        base = case.get("base", "compute")
+        model_cfg = lora.with_lora(model_cfg, case["lora"], 16.0, lora.TARGETS, base)
     mesh = sharding.make_mesh({"fsdp": case["devices"]}, jax.devices()[: case["devices"]])
     tx = make_optimizer(OPTIM)
     with_sh = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)

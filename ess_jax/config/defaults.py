@@ -40,6 +40,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.lora.alpha = 16.0
     c.model.lora.dropout = 0.0  # only 0: the trainer's log-probs must be the sampler's
     c.model.lora.targets = "q,k,v,o,gate,up,down"  # comma-separated, any of these seven
+    # QLoRA (ess_jax/model/quant.py): the frozen base's seven block matrices in the param dtype
+    # ("compute"), or stored as "int8" / "int4" codes with per-output-channel scales and
+    # dequantized inside the forward; needs rank > 0
+    c.model.lora.base_precision = "compute"
 
     c.task = ml_collections.ConfigDict()
     c.task.name = "addition"  # addition | sort | countdown | gsm8k | deepscaler | math

@@ -1,7 +1,8 @@
 """The values each config field may take, as tables that need no jax: `DOMAINS` (every int /
 float field's `Domain`), `CHOICES` (the fixed-choice string fields) with the tuples of names
 that other layers import (`PRECISIONS`, `KV_CACHE_PRECISIONS`, `ATTENTION_IMPLS`,
-`ESS_SCOPES`, `TRAIN_MODES`) and `LORA_TARGETS`. schema.py checks a config against them.
+`ESS_SCOPES`, `TRAIN_MODES`, `LORA_BASE_PRECISIONS`) and `LORA_TARGETS`. schema.py checks a
+config against them.
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ PRECISIONS = (
 # The sampler's KV cache (meanings: ess_jax/model/kv_cache.py): "compute" = the sampler's
 # compute dtype.
 KV_CACHE_PRECISIONS = ("compute", "bfloat16", "fp8")
+# model.lora.base_precision (meanings: ess_jax/model/quant.py): the frozen base's block matrices
+# in the param dtype ("compute") or as int8 / int4 codes with per-output-channel scales (QLoRA)
+LORA_BASE_PRECISIONS = ("compute", "int8", "int4")
 
 # train.mode (meanings: ess_jax/rl/actor_learner.py).
 TRAIN_MODES = ("sync", "async")
@@ -177,6 +181,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.external_precision": PRECISIONS,
     "rollout.kv_cache_precision": KV_CACHE_PRECISIONS,
     "train.mode": TRAIN_MODES,
+    "model.lora.base_precision": LORA_BASE_PRECISIONS,
 }
 
 

@@ -133,9 +133,10 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     sizes = sharding_lib.mesh_shape(dict(mesh or config.mesh), num_devices)
     amesh = abstract_mesh(sizes)
     cfg = model_config(config.model)
-    rank, alpha, targets = lora_policy.lora_settings(config.model)
-    if rank:  # a frozen base and trained adapters; the sampler and eval run the merged model
-        cfg = lora.with_lora(cfg, rank, alpha, targets)
+    rank = lora_policy.lora_settings(config.model)[0]
+    # LoRA: a frozen base (QLoRA: its block matrices as int8 / int4 codes and float32 scales)
+    # and trained adapters; the sampler and eval run the merged model, float32
+    cfg = lora_policy.lora_config(config.model, cfg)
     policy_cfg = lora.base_config(cfg)
     r, t = config.rollout, config.train
     train_params = param_bytes(cfg, amesh, "train")  # LoRA: base and adapters
@@ -146,7 +147,8 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
         "optimizer state": optimizer_bytes(cfg, amesh, config.optim.to_dict()),
     }
     if rank:
-        resident = {"frozen base (f32)": train_params - trained, "adapters (f32)": trained}
+        base = "f32" if cfg.lora_base_precision == "compute" else cfg.lora_base_precision
+        resident = {f"frozen base ({base})": train_params - trained, "adapters (f32)": trained}
         resident["optimizer state"] = optimizer_bytes(cfg, amesh, config.optim.to_dict())
     # The policy history holds lag + 1 versions in the train layout, copies when lag > 0 (with
     # lag 0 the one version is the train params' own buffers).

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import layers, lora
+from ess_jax.model import layers, lora, quant
 from ess_jax.sampling.decode import decode_bounds
 
 # XLA's bytes per unit of each term (module docstring): fitted to `compiled.memory_analysis()`
@@ -45,10 +45,11 @@ COEF = {
 
 
 def tree_bytes(abstract, shardings) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs placed with `shardings`."""
+    """Bytes one device holds of a tree of ShapeDtypeStructs placed with `shardings` (int4
+    packed, half a byte: as XLA's compiled memory analysis counts a jnp.int4 argument)."""
     return int(
         sum(
-            math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+            math.prod(s.shard_shape(x.shape)) * quant.code_bytes(x.dtype)
             for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))
         )
     )
@@ -106,6 +107,18 @@ def embedding_bytes(cfg, mesh, dtype) -> int:
     return tree_bytes(
         [jax.ShapeDtypeStruct(abstract[k].shape, dtype) for k in keys], [shardings[k] for k in keys]
     )
+
+
+def block_bytes(cfg, mesh, dtype) -> int:
+    """Per-device bytes of the seven block matrices of every layer in `dtype`, train layout."""
+    flat = jax.tree_util.tree_leaves_with_path(model_lib.abstract_params(cfg))
+    shardings = jax.tree.leaves(model_lib.param_shardings(cfg, mesh, "train"))
+    blocks = [
+        (jax.ShapeDtypeStruct(x.shape, dtype), s)
+        for (path, x), s in zip(flat, shardings)
+        if getattr(path[-1], "key", None) in quant.INPUT_AXES
+    ]
+    return tree_bytes([x for x, _ in blocks], [s for _, s in blocks])
 
 
 def trainable(cfg, tree):
@@ -188,6 +201,9 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
         full = param_bytes(cfg, mesh, "sample", cfg.compute_dtype)
         blocks = full - embedding_bytes(cfg, mesh, cfg.compute_dtype)
         terms["gathered"] = k["gathered"] * blocks
+    elif cfg.lora_base_precision != "compute":  # QLoRA: XLA dequantizes every block matrix at
+        # the step's start and keeps it to the backward (model/quant.py); with FSDP: `gathered`
+        terms["dequantized base"] = block_bytes(lora.base_config(cfg), mesh, cfg.compute_dtype)
     per_layer = k["stash_D"] * r * t * d * b + k["stash_F"] * r * t * f * b
     per_layer += k["stash_mask"] * r * t * t * 4
     causal = layers.causal_blocks(t)  # unchunked attention: (queries, keys) of each block

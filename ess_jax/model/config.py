@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ess_jax.config.domains import ATTENTION_IMPLS
+from ess_jax.config.domains import ATTENTION_IMPLS, LORA_BASE_PRECISIONS
 from ess_jax.model import lora
 
 
@@ -55,8 +55,21 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = lora.TARGETS
+    # the block matrices' storage (quant.py): "compute" = the param dtype; "int8" / "int4" =
+    # codes with per-output-channel scales, dequantized inside the forward (QLoRA: lora_rank > 0)
+    lora_base_precision: str = "compute"
 
     def __post_init__(self):
+        if self.lora_base_precision not in LORA_BASE_PRECISIONS:
+            raise ValueError(
+                f"ModelConfig.lora_base_precision: unknown {self.lora_base_precision!r}; "
+                f"one of {', '.join(LORA_BASE_PRECISIONS)}"
+            )
+        if self.lora_base_precision != "compute" and not self.lora_rank:
+            raise ValueError(
+                f"ModelConfig.lora_base_precision {self.lora_base_precision!r} quantizes LoRA's "
+                "frozen base: needs lora_rank > 0"
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"ModelConfig.attention_impl: unknown {self.attention_impl!r}; "

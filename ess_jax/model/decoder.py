@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from ess_jax.model import kv_cache, lora
+from ess_jax.model import kv_cache, lora, quant
 from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import (
     apply_rope,
@@ -45,6 +45,12 @@ Params = dict[str, Any]
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, scale: float) -> nnx.Param:
     value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _matrix(cfg, rngs: nnx.Rngs, name: str, shape: tuple[int, ...], axes: tuple, scale: float):
+    """A block matrix: float32, or its codes and scales with a quantized base (quant.py)."""
+    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return quant.matrix_param(cfg, name, value, axes)
 
 
 def _ones(shape: tuple[int, ...], axes: tuple) -> nnx.Param:
@@ -73,10 +79,11 @@ class Attention(nnx.Module):
         if h % n:
             raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={n}")
         s = 1.0 / math.sqrt(d)
-        self.q = _param(rngs, (d, h, k), ("embed", "heads", "head_dim"), s)
-        self.k = _param(rngs, (d, n, k), ("embed", "kv_heads", "head_dim"), s)
-        self.v = _param(rngs, (d, n, k), ("embed", "kv_heads", "head_dim"), s)
-        self.o = _param(rngs, (h, k, d), ("heads", "head_dim", "embed"), 1.0 / math.sqrt(h * k))
+        self.q = _matrix(cfg, rngs, "q", (d, h, k), ("embed", "heads", "head_dim"), s)
+        self.k = _matrix(cfg, rngs, "k", (d, n, k), ("embed", "kv_heads", "head_dim"), s)
+        self.v = _matrix(cfg, rngs, "v", (d, n, k), ("embed", "kv_heads", "head_dim"), s)
+        o_axes, o_scale = ("heads", "head_dim", "embed"), 1.0 / math.sqrt(h * k)
+        self.o = _matrix(cfg, rngs, "o", (h, k, d), o_axes, o_scale)
         if cfg.qkv_bias:
             self.q_bias = _zeros((h, k), ("heads", "head_dim"))
             self.k_bias = _zeros((n, k), ("kv_heads", "head_dim"))
@@ -146,9 +153,9 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate = _param(rngs, (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
-        self.up = _param(rngs, (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
-        self.down = _param(rngs, (f, d), ("mlp", "embed"), 1.0 / math.sqrt(f))
+        self.gate = _matrix(cfg, rngs, "gate", (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
+        self.up = _matrix(cfg, rngs, "up", (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
+        self.down = _matrix(cfg, rngs, "down", (f, d), ("mlp", "embed"), 1.0 / math.sqrt(f))
         self.lora = lora.make_adapters(cfg, lora.MLP_TARGETS)
 
     def __call__(self, cfg, x_BxTxD):

@@ -13,7 +13,9 @@ names of W's input and output axes (the rank axis is "lora_rank", replicated by 
 In the params tree an adapter pair sits beside its weights, `layers/<i>/attn/lora/q/{a,b}`;
 `split` takes every `lora` subtree out (the trainable adapters) and leaves the frozen base,
 `join` puts them back for a forward. The trainer differentiates the adapters only: the base is
-an argument of the step, never an optimizer parameter (rl/steps.TrainState.frozen).
+an argument of the step, never an optimizer parameter (rl/steps.TrainState.frozen). With
+`cfg.lora_base_precision` "int8" / "int4" (QLoRA) the base's block matrices are codes and scales
+(quant.py), dequantized inside `project` and by `merge`: trainer and sampler see one base.
 
 Why not qwix (0.1.8) or flax.nnx.LoRA: qwix finds the weight of an intercepted dot_general by
 tracing its right operand back to an `nnx.Param` of the calling module; `layers.dense` reshapes
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ess_jax.config.domains import LORA_TARGETS
+from ess_jax.model import quant
 from ess_jax.model.layers import dense
 
 TARGETS = LORA_TARGETS  # q, k, v, o, gate, up, down
@@ -90,7 +93,7 @@ def make_adapters(cfg, names: tuple[str, ...]) -> nnx.Dict | None:
 def project(cfg, module, name: str, x: jax.Array, n_in: int = 1) -> jax.Array:
     """`module`'s weight `name` applied to x (the last `n_in` axes), plus its adapter if any."""
     dt = cfg.compute_dtype
-    y = dense(x, getattr(module, name)[...].astype(dt), n_in)
+    y = quant.matmul(x, getattr(module, name), n_in, dt)  # dequantized here if quantized
     adapters = getattr(module, "lora", None)
     if adapters is None or name not in adapters:
         return y
@@ -144,8 +147,9 @@ def delta(cfg, a: jax.Array, b: jax.Array) -> jax.Array:
 
 def merge(cfg, base: dict, adapters: dict) -> dict:
     """Base params with every adapter folded into its weight, W + (alpha / R) A B: the params of
-    the plain model `base_config(cfg)` (jit-able; float32)."""
-    out = jax.tree.map(lambda x: x, base)  # fresh dicts, shared leaves
+    the plain model `base_config(cfg)` (jit-able; float32). A quantized base (QLoRA) enters
+    dequantized, codes * scale: the weights the trainer's forward computes with."""
+    out = quant.dequantize_tree(base)  # fresh dicts, shared leaves
     for i, module, name, a, b in pairs(adapters):
         w = out["layers"][i][module][name]
         out["layers"][i][module][name] = w + delta(cfg, a, b).astype(w.dtype)
@@ -153,15 +157,22 @@ def merge(cfg, base: dict, adapters: dict) -> dict:
 
 
 def base_config(cfg):
-    """The ModelConfig of the base model alone (no adapters in its params tree)."""
-    return cfg.replace(lora_rank=0)
+    """The ModelConfig of the base model alone (no adapters in its params tree, its block
+    matrices in the param dtype: `merge`'s output)."""
+    return cfg.replace(lora_rank=0, lora_base_precision="compute")
 
 
-def with_lora(cfg, rank: int, alpha: float, targets: tuple[str, ...]):
+def with_lora(cfg, rank: int, alpha: float, targets: tuple[str, ...], base_precision="compute"):
+    """`cfg` with adapters of `rank` on `targets`, its frozen base in `base_precision`."""
     unknown = set(targets) - set(TARGETS)
     if unknown:
         raise ValueError(f"LoRA targets {sorted(unknown)}: not among {', '.join(TARGETS)}")
-    return cfg.replace(lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=tuple(targets))
+    return cfg.replace(
+        lora_rank=int(rank),
+        lora_alpha=float(alpha),
+        lora_targets=tuple(targets),
+        lora_base_precision=base_precision,
+    )
 
 
 def init_adapters(cfg, key: jax.Array, shardings: Any = None) -> dict:

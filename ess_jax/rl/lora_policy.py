@@ -4,8 +4,10 @@ base + adapters, and the exports (a merged HF checkpoint, a PEFT adapter directo
 With model.lora.rank > 0, `Run` holds the base in `TrainState.frozen` and the adapters in
 `TrainState.params`: the optimizer, the policy history (rollout.lag), the proximal and
 reference snapshots and the checkpoints all hold adapters only; the base is model.source,
-reloaded on a resume. The sampler draws from the merged weights W + (alpha / R) A B
-(`SAMPLER_FORM`): one dense matmul per weight per decode step instead of three.
+reloaded on a resume. With model.lora.base_precision int8 / int4 (QLoRA) the frozen base holds
+the block matrices quantized (`frozen_base`), and the merge starts from their dequantized
+values. The sampler draws from the merged weights W + (alpha / R) A B (`SAMPLER_FORM`): one
+dense matmul per weight per decode step instead of three.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax
 
 from ess_jax.config.schema import lora_targets
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import lora
+from ess_jax.model import lora, quant
 from ess_jax.rl.rollout import PolicySource
 
 # How the sampler runs base + adapters: "merged" (W + (alpha / R) A B once per collection, the
@@ -35,17 +37,41 @@ def lora_settings(mcfg) -> tuple[int, float, tuple[str, ...]]:
     return int(spec.rank), float(spec.alpha), lora_targets(spec.targets)
 
 
-def attach(mcfg, cfg, params, mesh=None, seed: int = 0):
-    """(cfg, frozen base or None, trainable params) of a loaded policy: without model.lora
-    (rank 0) the params themselves; else the LoRA cfg, the params as the frozen base and fresh
-    adapters (B = 0: the policy is the base's), each created in the shard of its base matmul."""
+def lora_config(mcfg, cfg):
+    """`cfg` with model.lora's adapters and base precision; `cfg` itself at rank 0."""
     rank, alpha, targets = lora_settings(mcfg)
     if not rank:
+        return cfg
+    precision = mcfg.get("lora").get("base_precision", "compute")
+    return lora.with_lora(cfg, rank, alpha, targets, precision)
+
+
+@functools.lru_cache(maxsize=8)
+def _quantize_fn(cfg, mesh):
+    out = None if mesh is None else lora.split(model_lib.param_shardings(cfg, mesh))[0]
+    return jax.jit(lambda p: quant.quantize_base(p, cfg.lora_base_precision), out_shardings=out)
+
+
+def frozen_base(cfg, params, mesh=None):
+    """The frozen base of a LoRA `cfg` from the loaded (float) params: themselves, or with
+    model.lora.base_precision int8 / int4 their block matrices quantized (model/quant.py), in
+    the train layout. A function of model.source alone, so a resume re-derives it exactly."""
+    if cfg.lora_base_precision == "compute":
+        return params
+    return _quantize_fn(cfg, mesh)(params)
+
+
+def attach(mcfg, cfg, params, mesh=None, seed: int = 0):
+    """(cfg, frozen base or None, trainable params) of a loaded policy: without model.lora
+    (rank 0) the params themselves; else the LoRA cfg, the params as the frozen base
+    (`frozen_base`) and fresh adapters (B = 0: the policy is the base's), each created in the
+    shard of its base matmul."""
+    if not lora_settings(mcfg)[0]:
         return cfg, None, params
-    cfg = lora.with_lora(cfg, rank, alpha, targets)
+    cfg = lora_config(mcfg, cfg)
     shardings = None if mesh is None else lora.split(model_lib.param_shardings(cfg, mesh))[1]
     adapters = lora.init_adapters(cfg, jax.random.key(seed, impl="rbg"), shardings)
-    return cfg, params, adapters
+    return cfg, frozen_base(cfg, params, mesh), adapters
 
 
 @functools.lru_cache(maxsize=8)

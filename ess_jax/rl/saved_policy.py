@@ -95,9 +95,8 @@ def _load_workdir(workdir: str, mesh) -> tuple[model_lib.ModelConfig, Any, Any, 
             f"{workdir}: no hf/ export and no committed checkpoint yet; {WHAT_TO_PASS}"
         )
     cfg, tokenizer = _run_model(workdir, run.model)
-    rank, alpha, targets = lora_policy.lora_settings(run.model)
-    if rank:  # a LoRA run's checkpoints hold its adapters only
-        cfg = lora.with_lora(cfg, rank, alpha, targets)
+    rank = lora_policy.lora_settings(run.model)[0]
+    cfg = lora_policy.lora_config(run.model, cfg)  # a LoRA run's checkpoints: adapters only
     abstract = model_lib.abstract_params(cfg)
     if mesh is not None:
         abstract = jax.tree.map(
@@ -111,6 +110,7 @@ def _load_workdir(workdir: str, mesh) -> tuple[model_lib.ModelConfig, Any, Any, 
     params = tree["state"]["params"]
     if rank:  # merged onto the run's frozen base, model.source
         _, base, _ = experiment.load_policy(run.model, mesh, need_tokenizer=False)
+        base = lora_policy.frozen_base(cfg, base, mesh)  # as the run trained on it (QLoRA)
         params, cfg = lora_policy.merged(cfg, base, params, "train"), lora.base_config(cfg)
     return cfg, params, tokenizer, str(ckpt.directory / str(step))
 

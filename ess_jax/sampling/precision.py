@@ -7,7 +7,8 @@ output channel (all input axes of the matrix) or over the whole tensor, codes = 
 rounded to nearest, ties to even (the float casts; `jnp.round` then a clip for the integers);
 the embedding and LM head stay bfloat16, as in common quantized-serving recipes. Inside each
 forward the codes are dequantized to codes * scale in bfloat16 (`dequantize`), as weight-only
-kernels do before their bf16 matmul.
+kernels do before their bf16 matmul. The quantizer itself is model/quant.py's, shared with
+model.lora.base_precision (QLoRA's frozen base).
 
   mode              weights of the block matrices                   compute   QMAX
   float32           float32 (no copy)                               float32
@@ -44,6 +45,8 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.config.domains import PRECISIONS
+from ess_jax.model import quant
+from ess_jax.model.quant import INPUT_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,29 +84,12 @@ FORMATS = {
 }
 assert tuple(FORMATS) == PRECISIONS, "config/domains.py PRECISIONS lists the formats"
 
-# weight matrix name -> its contraction (input) axes; the rest are output channels
-INPUT_AXES = {
-    "q": (0,),
-    "k": (0,),
-    "v": (0,),
-    "o": (0, 1),
-    "gate": (0,),
-    "up": (0,),
-    "down": (0,),
-}
-
 
 def quantize(w, fmt: Format, input_axes: tuple[int, ...]) -> dict:
-    """{"codes", "scale"} of a matrix: scale (float32, input axes kept as size 1, every axis
-    for a per-tensor scale) = max|w| / QMAX over them (1 if all zero); codes = w / scale
-    rounded to nearest, ties to even (integers clipped to [-QMAX, QMAX])."""
+    """{"codes", "scale"} of a matrix (model/quant.py's `quantize`): one scale per output
+    channel (over `input_axes`) or per tensor (over every axis)."""
     axes = input_axes if fmt.per_channel else tuple(range(w.ndim))
-    amax = jnp.max(jnp.abs(w), axis=axes, keepdims=True)
-    scale = jnp.where(amax > 0, amax / fmt.qmax, 1.0).astype(jnp.float32)
-    x = w / scale
-    if fmt.integer:
-        x = jnp.clip(jnp.round(x), -fmt.qmax, fmt.qmax)
-    return {"codes": x.astype(fmt.codes), "scale": scale}
+    return quant.quantize(w, fmt.codes, fmt.qmax, axes)
 
 
 def prepare_params(params, precision: str):
@@ -123,22 +109,10 @@ def prepare_params(params, precision: str):
     return jax.tree_util.tree_map_with_path(leaf, params)
 
 
-def is_quantized(x) -> bool:
-    return isinstance(x, dict) and set(x) == {"codes", "scale"}
-
-
 def dequantize(params):
     """{'codes', 'scale'} leaves -> bfloat16 matrices codes * scale, inside the forward that
     uses them; every other leaf as it is."""
-    return jax.tree.map(
-        lambda x: (
-            (x["codes"].astype(jnp.float32) * x["scale"]).astype(jnp.bfloat16)
-            if is_quantized(x)
-            else x
-        ),
-        params,
-        is_leaf=is_quantized,
-    )
+    return quant.dequantize_tree(params, jnp.bfloat16)
 
 
 def sample_config(cfg, precision: str):
