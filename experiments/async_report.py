@@ -110,7 +110,7 @@ def lag_table(arms: dict[str, dict[int, list[dict]]], order: list[str]) -> str:
 
 
 def write(exp_dir: str, arms: dict[str, dict[int, dict]], order: list[str]) -> str:
-    """Writes <exp_dir>/lag.md from analyze.load_experiment's {arm: {seed: run}}; its path."""
+    """Writes <exp_dir>/lag.md from run_stats.load_experiment's {arm: {seed: run}}; its path."""
     train = {arm: {s: run["train"] for s, run in seeds.items()} for arm, seeds in arms.items()}
     path = os.path.join(exp_dir, FILE)
     with open(path, "w") as f:

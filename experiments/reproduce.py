@@ -14,7 +14,7 @@ fresh clone, `{workdir}` standing for any empty directory) go to
 
 Runs are deterministic on the CPU: every process uses one XLA thread (XLA_FLAGS below), so two
 jobs use two cores without competing, and a rerun of the command gives the same metrics
-(timing fields aside: analyze.TIMING_KEYS).
+(timing fields aside: run_stats.TIMING_KEYS).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]  # configs.mini; analyze
+sys.path.insert(0, ROOT)  # configs.mini; experiments.run_stats
 
-from analyze import TIMING_KEYS, read_rows  # noqa: E402
+from experiments.run_stats import TIMING_KEYS, read_rows  # noqa: E402
 
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 # Experiments in the order they run (each completes all its seeds before the next starts).

@@ -57,18 +57,22 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
+for _path in (HERE, os.path.dirname(HERE)):  # analyze; the repository root (experiments.*)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-from analyze import (  # noqa: E402  (analyze puts the repository root on sys.path)
+from analyze import fmt_interval  # noqa: E402
+
+from experiments.run_stats import (  # noqa: E402
     COLLAPSE_NOTES,
     WINDOW,
     fingerprint,
     fmt,
-    fmt_interval,
+    holm,
     load_experiment,
     moving_mean,
     paired_interval,
+    paired_t,
     run_summary,
 )
 
@@ -124,32 +128,6 @@ def stable_run(s: dict) -> bool:
 def stable_cell(summaries: list[dict]) -> bool:
     """A cell is stable when it has a run and every run is stable."""
     return bool(summaries) and all(stable_run(s) for s in summaries)
-
-
-def paired_t(a: list[float], b: list[float]) -> tuple[float, float, float, float]:
-    """(mean of a - b, 95% interval low, high, two-sided paired t-test p-value; nan for n < 2)."""
-    from scipy.special import stdtr  # Student's t CDF (scipy comes with jax)
-
-    mean, lo, hi = paired_interval(a, b)
-    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
-    if len(d) < 2:
-        return mean, lo, hi, float("nan")
-    sd = float(np.std(d, ddof=1))
-    if sd == 0.0:
-        return mean, lo, hi, 1.0 if mean == 0.0 else 0.0
-    stat = abs(float(np.mean(d))) / (sd / math.sqrt(len(d)))
-    return mean, lo, hi, float(2.0 * stdtr(len(d) - 1, -stat))
-
-
-def holm(pvalues: list[float]) -> list[float]:
-    """Holm's step-down adjusted p-values, in the input order; nan stays nan, outside the family."""
-    family = sorted((p, i) for i, p in enumerate(pvalues) if not math.isnan(p))
-    out = [float("nan")] * len(pvalues)
-    running = 0.0
-    for rank, (p, i) in enumerate(family):
-        running = max(running, min(1.0, (len(family) - rank) * p))
-        out[i] = running
-    return out
 
 
 def comparisons(m: Map) -> list[dict]:

@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 
+from experiments import run_stats
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -35,8 +37,8 @@ def test_a_dip_that_recovers_is_no_sustained_collapse():
     """Catches a sustained detector that fires on any dip, as the dip criterion does: 10 zero
     steps put the 10-step mean below half its peak for 9 steps (35 ... 43), then it recovers."""
     steps, reward = _series((HIGH, 30), (0.0, 10), (HIGH, 40))
-    assert analyze.collapse_step(steps, reward) == 35
-    assert analyze.sustained_collapse_step(steps, reward) is None
+    assert run_stats.collapse_step(steps, reward) == 35
+    assert run_stats.sustained_collapse_step(steps, reward) is None
 
 
 def test_a_fall_of_20_steps_collapses_at_its_first_step_and_19_does_not():
@@ -44,35 +46,35 @@ def test_a_fall_of_20_steps_collapses_at_its_first_step_and_19_does_not():
     the fall (or at an earlier dip) rather than at its first step. z zero steps keep the 10-step
     mean below half the peak for z - 1 steps, from the 6th zero on."""
     steps, reward = _series((HIGH, 30), (0.0, 20), (HIGH, 40))  # 19 steps below
-    assert analyze.sustained_collapse_step(steps, reward) is None
+    assert run_stats.sustained_collapse_step(steps, reward) is None
     steps, reward = _series((HIGH, 30), (0.0, 21), (HIGH, 40))  # 20 steps below
-    assert analyze.sustained_collapse_step(steps, reward) == 35
+    assert run_stats.sustained_collapse_step(steps, reward) == 35
     # a recovered dip first, then a fall of 40 steps: dip at 35, sustained at the fall (85)
     steps, reward = _series((HIGH, 30), (0.0, 10), (HIGH, 40), (0.0, 40), (HIGH, 30))
-    assert analyze.collapse_step(steps, reward) == 35
-    assert analyze.sustained_collapse_step(steps, reward) == 85
+    assert run_stats.collapse_step(steps, reward) == 35
+    assert run_stats.sustained_collapse_step(steps, reward) == 85
     # step numbers come from the run, not the index
-    assert analyze.sustained_collapse_step(steps + 100, reward) == 185
+    assert run_stats.sustained_collapse_step(steps + 100, reward) == 185
 
 
 def test_a_fall_that_lasts_to_the_end_of_the_run_collapses():
     """Catches a sustained detector that asks for 20 steps the run does not have: a fall in the
     last 15 steps that never recovers is below half the peak for its last 10 steps (90 ... 99)."""
     steps, reward = _series((HIGH, 85), (0.0, 15))
-    assert analyze.sustained_collapse_step(steps, reward) == 90
+    assert run_stats.sustained_collapse_step(steps, reward) == 90
     # the same fall, recovering before the end, is no sustained collapse
     steps, reward = _series((HIGH, 85), (0.0, 15), (HIGH, 10))
-    assert analyze.sustained_collapse_step(steps, reward) is None
+    assert run_stats.sustained_collapse_step(steps, reward) is None
 
 
 def test_heldout_below_step0():
     """Catches a comparison with the wrong eval (the first after step 0, or the best) or a run
     with only its step-0 eval counted as below."""
     ev = lambda *pairs: [{"step": s, "eval/pass@1": p} for s, p in pairs]
-    assert analyze.heldout_below_step0(ev((0, 0.3), (50, 0.1), (150, 0.25)))
-    assert not analyze.heldout_below_step0(ev((0, 0.3), (50, 0.1), (150, 0.3)))
-    assert not analyze.heldout_below_step0(ev((0, 0.3)))
-    assert not analyze.heldout_below_step0([])
+    assert run_stats.heldout_below_step0(ev((0, 0.3), (50, 0.1), (150, 0.25)))
+    assert not run_stats.heldout_below_step0(ev((0, 0.3), (50, 0.1), (150, 0.3)))
+    assert not run_stats.heldout_below_step0(ev((0, 0.3)))
+    assert not run_stats.heldout_below_step0([])
 
 
 def _write_run(path, rewards, pass1, step_s):

@@ -24,6 +24,7 @@ from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.io.workdir import WorkdirError
 from ess_jax.rl import metrics, train
 from ess_jax.rl.metrics import MetricsError, MetricsWriter, read_metrics
+from experiments import run_stats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {
@@ -80,7 +81,7 @@ def test_cut_last_metrics_line_is_set_aside_and_every_reader_goes_on(tmp_path, c
         assert read_metrics(str(tmp_path)) == rows
     assert f"{path}: its last line is cut" in caplog.text
     assert _load("compare.py").summarize(str(tmp_path))["steps"] == 3
-    assert _load("analyze.py").load_run(str(path))["train"] == rows
+    assert run_stats.load_run(str(path))["train"] == rows
 
     MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False)  # what a resume does
     assert read_metrics(str(path)) == rows[:2]
@@ -98,7 +99,7 @@ def test_bad_metrics_line_before_the_last_names_the_file_and_line(tmp_path):
     assert str(e.value).startswith(f"{path} line 3 is not a JSON row (Expecting ")
     assert not (tmp_path / "metrics.jsonl.torn").exists()
     with pytest.raises(SystemExit, match=f"{path} line 3 is not a JSON row"):
-        _load("analyze.py").read_rows(str(path))
+        run_stats.read_rows(str(path))
 
 
 # ------------------------------------------------------------------------------ train.steps

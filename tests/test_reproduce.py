@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import run_stats
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,16 +51,16 @@ def _write_run(path, rewards, ess=1.0, pass1=0.5):
 def test_collapse_step_and_moving_mean_by_hand():
     reward = np.array([0.2] * 10 + [0.8] * 10 + [0.1] * 20)
     steps = np.arange(len(reward))
-    mm = analyze.moving_mean(reward)
+    mm = run_stats.moving_mean(reward)
     assert len(mm) == len(reward) - 9 and mm[0] == pytest.approx(0.2)
     # peak 0.8 (window 10..19); window 15..24 (five 0.8, five 0.1) -> 0.45; window 16..25
     # -> 0.38: the first 10-step mean below half the peak ends at step 25
-    assert analyze.collapse_step(steps, reward) == 25
-    assert analyze.collapse_step(steps, np.linspace(0.2, 0.9, 40)) is None
+    assert run_stats.collapse_step(steps, reward) == 25
+    assert run_stats.collapse_step(steps, np.linspace(0.2, 0.9, 40)) is None
 
 
 def test_paired_interval_by_hand():
-    mean, lo, hi = analyze.paired_interval([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])
+    mean, lo, hi = run_stats.paired_interval([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])
     d = np.array([0.1, 0.2, 0.3])
     half = 4.303 * d.std(ddof=1) / np.sqrt(3)  # t(0.975, 2 df), not 1.96
     assert (mean, lo, hi) == pytest.approx((0.2, 0.2 - half, 0.2 + half))

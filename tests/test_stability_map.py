@@ -12,6 +12,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "exp
 import analyze  # noqa: E402
 import stability_map  # noqa: E402
 
+from experiments import run_stats  # noqa: E402
+
 
 def _write_run(path, rewards, pass1, pass1_step0=0.3, entropy=1.0):
     """A run of len(rewards) steps with held-out evals at step 0 and at the end."""
@@ -42,8 +44,8 @@ def test_stable_cell_needs_every_seed_free_of_sustained_collapse_and_heldout_dro
         for seed, (r, p) in enumerate(zip(rewards, pass1)):
             _write_run(tmp_path / name / str(seed), r, p)
     summaries = {
-        name: [analyze.run_summary(run) for run in seeds.values()]
-        for name, seeds in analyze.load_experiment(str(tmp_path)).items()
+        name: [run_stats.run_summary(run) for run in seeds.values()]
+        for name, seeds in run_stats.load_experiment(str(tmp_path)).items()
     }
     assert summaries["dip"][1]["collapse"] is not None  # the dip criterion does fire
     for name, (_, _, stable) in cases.items():
@@ -54,26 +56,26 @@ def test_stable_cell_needs_every_seed_free_of_sustained_collapse_and_heldout_dro
 def test_paired_t_p_value_by_hand():
     """Catches a one-sided p, a normal instead of a t quantile, or an unpaired test: with 2
     degrees of freedom the two-sided p of Student's t is 1 - |t| / sqrt(t^2 + 2)."""
-    mean, lo, hi, p = stability_map.paired_t([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])
+    mean, lo, hi, p = run_stats.paired_t([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])
     t = 0.2 / (0.1 / math.sqrt(3))  # differences 0.1, 0.2, 0.3: mean 0.2, sd 0.1
     assert mean == pytest.approx(0.2)
     assert p == pytest.approx(1 - t / math.sqrt(t * t + 2), rel=1e-9)  # 0.0742
     assert (lo, hi) == pytest.approx((0.2 - 4.303 * 0.1 / math.sqrt(3), 0.2 + 0.2484), abs=1e-4)
-    assert stability_map.paired_t([0.0, 0.0], [0.0, 0.0])[3] == 1.0  # both collapsed: equal
-    assert stability_map.paired_t([0.75, 0.5], [0.25, 0.0])[3] == 0.0  # a constant shift
-    assert math.isnan(stability_map.paired_t([0.3], [0.1])[3])  # one seed: no test
+    assert run_stats.paired_t([0.0, 0.0], [0.0, 0.0])[3] == 1.0  # both collapsed: equal
+    assert run_stats.paired_t([0.75, 0.5], [0.25, 0.0])[3] == 0.0  # a constant shift
+    assert math.isnan(run_stats.paired_t([0.3], [0.1])[3])  # one seed: no test
 
 
 def test_holm_adjusted_p_values_by_hand():
     """Catches Bonferroni (every p times m), a step-down without the running maximum, a family
     that counts the untested (nan) comparisons, and p-values above 1."""
     # sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04 -> running max
-    adjusted = stability_map.holm([0.01, 0.04, 0.03, 0.005])
+    adjusted = run_stats.holm([0.01, 0.04, 0.03, 0.005])
     assert adjusted == pytest.approx([0.03, 0.06, 0.06, 0.02])
-    nan_in = stability_map.holm([0.01, float("nan"), 0.04])
+    nan_in = run_stats.holm([0.01, float("nan"), 0.04])
     assert nan_in[0] == pytest.approx(0.02) and nan_in[2] == pytest.approx(0.04)
     assert math.isnan(nan_in[1])
-    assert stability_map.holm([0.6, 0.7]) == [1.0, 1.0]
+    assert run_stats.holm([0.6, 0.7]) == [1.0, 1.0]
 
 
 def test_report_tables_and_regeneration_is_byte_identical(tmp_path, monkeypatch):
