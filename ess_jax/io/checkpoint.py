@@ -349,6 +349,11 @@ class Checkpointer:
             state, metadata = out["state"], out["metadata"]
             jax.block_until_ready(state)
         except Exception as e:
+            if "tree structures do not match" in str(e):  # same array paths, other containers
+                raise CheckpointError(
+                    f"{where} was written with another state layout than this code builds "
+                    f"(by another version of ess_jax?): {brief(e)}"
+                ) from e
             raise CheckpointError(f"{where} is truncated or corrupted: {brief(e)}") from e
         return step, state, metadata
 
