@@ -33,8 +33,9 @@ STEPS = RUN["train.steps"]
 TIMING = ("tokens_per_s", "sample_s", "step_s")
 
 
-def _env(cache):
+def _env(cache, extra=None):
     env = {k: v for k, v in os.environ.items() if k not in ("ESS_JAX_VERBOSE", "XLA_FLAGS")}
+    env.update(extra or {})
     env.update(
         JAX_COMPILATION_CACHE_DIR=str(cache),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -56,9 +57,9 @@ app.run(main.main, flags_parser=main._parse_flags)
 """
 
 
-def _start(workdir, cache, slow=False, **extra):
-    """The run on `workdir` (RUN's overrides, then `extra`'s, dots as "__"), its stderr
-    (progress bars, warnings, the last line) in `<workdir>.err`."""
+def _start(workdir, cache, slow=False, env=None, **extra):
+    """The run on `workdir` (RUN's overrides, then `extra`'s, dots as "__"; `env`: more
+    environment), its stderr (progress bars, warnings, the last line) in `<workdir>.err`."""
     overrides = {**RUN, **{k.replace("__", "."): v for k, v in extra.items()}}
     args = [f"--config.{k}={v}" for k, v in overrides.items()]
     entry = ["-c", SLOW_MAIN] if slow else ["-m", "ess_jax.main"]
@@ -67,7 +68,7 @@ def _start(workdir, cache, slow=False, **extra):
             [sys.executable, *entry, "--config=configs/quickstart.py:tiny", *args]
             + [f"--workdir={workdir}"],
             cwd=ROOT,
-            env=_env(cache),
+            env=_env(cache, env),
             stdout=subprocess.DEVNULL,
             stderr=err,
         )
@@ -202,3 +203,38 @@ def test_kill_9_with_lora_and_lag_2_resumes_exactly(tmp_path):
         resumed.kill()
     assert len(_rows(full)) == 8 and _rows(full)[-1]["policy_lag"] == 2
     assert _strip(_rows(cut)) == _strip(_rows(full))
+
+
+ASYNC = {"train__mode": "async", "rollout__max_lag": 2, "train__steps": 10}
+
+
+def test_kill_9_of_an_async_run_resumes_with_each_step_once(tmp_path):
+    """Catches an async run that a kill -9 (sampler mid-draw, trainer mid-step or mid-push of
+    params, sync_every 1: a push every step) leaves unresumable, or whose resume loses or
+    repeats a step: the rerun must finish with rows for steps 0-9, each once, in order, every
+    batch within the lag bound. (Async lags depend on timing, so rows are not compared with an
+    uninterrupted run's; the prompts each step takes are checked in tests/test_actor_learner.py.)"""
+    cache, cut = tmp_path / "jax_cache", tmp_path / "cut"
+    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    p = _start(cut, cache, slow=True, env=devices, **ASYNC)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_rows(cut)) < 5:  # step 4's checkpoint is written, steps past it maybe
+            assert p.poll() is None and time.monotonic() < deadline, _err(cut)
+            time.sleep(0.05)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == -signal.SIGKILL
+    saved = Checkpointer(str(cut / "checkpoints")).latest_step()
+    assert saved is not None and 2 <= saved < 10, saved
+
+    resumed = _start(cut, cache, env=devices, **ASYNC)
+    try:
+        assert resumed.wait(timeout=300) == 0, _err(cut)
+    finally:
+        resumed.kill()
+    rows = [r for r in _rows(cut) if "reward_mean" in r]
+    assert [r["step"] for r in rows] == list(range(10))
+    assert all(0 <= r["lag_max"] <= 2 for r in rows), [r["lag_max"] for r in rows]
