@@ -178,22 +178,14 @@ def test_base_is_frozen_and_the_optimizer_holds_adapters_only(lora_run):
     assert sum(opt_sizes) == 2 * n_adapters  # Adam's mu and nu, adapters only
 
 
-def test_resume_with_lora_and_lag_2_is_exact_and_checkpoints_hold_adapters_only(tmp_path):
-    """Catches a resume that loses the adapters' optimizer state or the lag-2 policy history
-    (the resumed rows would differ from an uninterrupted run's), and checkpoints that store
-    the frozen base (its embedding would be among the saved arrays)."""
-    volatile = ("tokens_per_s", "sample_s", "step_s")
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in volatile} for r in rs]  # noqa: E731
-    c = _config(**{"rollout.lag": 2, "train.steps": 3, "train.checkpoint_every": 2})
-    c.optim.lr = 5e-3
-    full, part = tmp_path / "full", tmp_path / "part"
+def test_checkpoints_hold_adapters_only(tmp_path):
+    """Catches checkpoints that store the frozen base (its embedding would be among the saved
+    arrays) or no adapters. That a LoRA run with lag 2 resumes exactly, adapters' optimizer
+    state and policy history included, is tests/test_preemption.py's kill -9 test."""
+    c = _config(**{"rollout.lag": 2, "train.steps": 2, "train.checkpoint_every": 2})
+    full = tmp_path / "full"
     train.run(c, str(full))
-    short = _config(**{"rollout.lag": 2, "train.steps": 2, "train.checkpoint_every": 2})
-    short.optim.lr = 5e-3
-    train.run(short, str(part))
-    train.run(c, str(part))
-    assert strip(read_metrics(part)) == strip(read_metrics(full))
-    assert read_metrics(full)[-1]["policy_lag"] == 2
+    assert read_metrics(full)[-1]["policy_lag"] == 1
 
     ckpt = Checkpointer(str(full / "checkpoints"))
     saved = ckpt._mngr.item_metadata(ckpt.latest_step())["state"]
