@@ -16,8 +16,11 @@ from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.memory import planner as memory
 from ess_jax.model import decoder as model
 from ess_jax.model import lora
-from ess_jax.rl import train
+from ess_jax.parallel import sharding
+from ess_jax.rl import heldout, lora_policy, rollout, train
 from ess_jax.rl.metrics import read_metrics
+from ess_jax.sampling import precision as precision_lib
+from ess_jax.sampling import sampler
 
 RANK, ALPHA = 4, 8.0
 _logits = jax.jit(model.apply, static_argnums=0)  # one compile per config, no eager NNX
@@ -129,6 +132,109 @@ def test_memory_plan_counts_adapters_and_their_optimizer_state_only():
     c.model.lora.rank = 0
     full = memory.plan(c, 1, "h100", {"data": 1, "fsdp": 1, "tensor": 1})
     assert full.resident["optimizer state"] > 5 * plan.resident["optimizer state"]
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "int4"])
+def test_memory_plan_holds_one_merged_sampler_copy_in_the_sampler_format(precision):
+    """Catches a planner that counts LoRA's sampler weights twice (a float32 merge beside its
+    prepared copy) or in another format: the sample phase's weights are the bytes of what
+    lora_policy.merged(..., precision) returns (jax.eval_shape, int4 packed at half a byte),
+    for float32 the merged params themselves."""
+    c = quickstart.get_config()
+    c.model.lora.rank, c.rollout.precision = 8, precision
+    plan = memory.plan(c, 1, "h100", {"data": 1, "fsdp": 1, "tensor": 1})
+    cfg = lora_policy.lora_config(c.model, memory.model_config(c.model))
+    copy = jax.eval_shape(
+        lambda f, a: lora_policy.merged(cfg, f, a, precision=precision),
+        *lora.split(model.abstract_params(cfg)),
+    )
+    nbytes = sum(
+        x.size * (0.5 if x.dtype == jnp.int4 else x.dtype.itemsize) for x in jax.tree.leaves(copy)
+    )
+    weights = {
+        k: v for k, v in plan.phases["sample"].items() if k not in ("kv_cache", "sampler_tmp")
+    }
+    assert weights == {f"merged sampler copy ({precision})": nbytes}
+
+
+# ----------------------------------------------------------------------------- the sampler's copy
+
+
+def _two_program_source(cfg, frozen, adapters):
+    """The reference: the float32 merge, prepared by the sampler itself (precision.prepare_fn)."""
+    return rollout.PolicySource(lora.base_config(cfg), lora_policy.merged(cfg, frozen, adapters), 0)
+
+
+@pytest.mark.parametrize(
+    "precision,base", [("float32", "compute"), ("bfloat16", "compute"), ("int4", "compute"),
+                       ("bfloat16", "int4")],
+)  # fmt: skip
+def test_merge_into_the_sampler_format_draws_the_same_tokens_and_logps(
+    tiny, precision, base, monkeypatch
+):
+    """Catches a fused merge + prepare whose copy differs from merging in float32 and then
+    preparing (a cast before the add, int4 scales of the unmerged base, a QLoRA base merged
+    undequantized) and a sampler that prepares the fused copy again: the copies, the sampled
+    tokens and the recorded behaviour and raw log-probs must be the two-program path's, bit for
+    bit, with precision.prepare_fn never called on the fused path."""
+    cfg, params, adapters, _ = tiny
+    cfg = cfg.replace(lora_base_precision=base)
+    frozen = lora_policy.frozen_base(cfg, params)
+    prompts = np.random.default_rng(0).integers(3, 96, (2, 5)).astype(np.int32)
+    mask = np.ones_like(prompts, bool)
+    sc = sampler.SamplingConfig(temperature=1.0, max_new_tokens=4, num_samples=2, stop_ids=())
+    key = jax.random.key(3)
+    ref_src = _two_program_source(cfg, frozen, adapters)
+    want, _ = rollout._draw(ref_src, prompts, mask, sc, key, precision, 1)
+    ref_copy = ref_src.params
+    if precision != "float32":
+        ref_copy = precision_lib.prepare_fn(precision)(ref_copy)
+
+    src = lora_policy.source(cfg, frozen, adapters, 0, precision)
+    assert src.prepared == precision
+    jax.tree.map(
+        np.testing.assert_array_equal, jax.device_get(src.params), jax.device_get(ref_copy)
+    )
+    monkeypatch.setattr(precision_lib, "prepare_fn", lambda p: pytest.fail(f"prepared {p} again"))
+    got, _ = rollout._draw(src, prompts, mask, sc, key, precision, 1)
+    for field in ("tokens", "response_mask", "behaviour_logp"):
+        np.testing.assert_array_equal(got[field], want[field], err_msg=field)
+    kw = dict(precision=precision, prepared=True)
+    got_raw = sampler.sample(src.cfg, src.params, prompts, mask, sc, key, **kw).raw_logp
+    want_raw = sampler.sample(ref_src.cfg, ref_copy, prompts, mask, sc, key, **kw).raw_logp
+    np.testing.assert_array_equal(got_raw, want_raw)
+
+
+def test_a_copy_prepared_for_another_precision_is_refused(tiny):
+    """Catches a caller that merges for one precision and samples in another (e.g. a call of
+    lora_policy.source without config.rollout.precision, or eval, which samples in float32,
+    drawing from the bfloat16 copy): the draw and eval fail with a message naming both."""
+    cfg, params, adapters, _ = tiny
+    src = lora_policy.source(cfg, params, adapters, 0, "bfloat16")
+    prompts, mask = np.ones((2, 4), np.int32), np.ones((2, 4), bool)
+    with pytest.raises(ValueError, match="prepared in bfloat16, not float32"):
+        rollout._draw(src, prompts, mask, sampler.SamplingConfig(), jax.random.key(0), "float32", 1)
+    with pytest.raises(ValueError, match="prepared in bfloat16"):
+        heldout.evaluate(src, [{}], None, None, None, (), jax.random.key(0))
+
+
+def test_sharded_merge_into_int4_matches_the_two_programs_and_their_layout():
+    """Catches a fused program on a mesh whose codes or scales land in another layout than the
+    sampler's own prepare of the sample-layout merge (the decode would then compile and
+    communicate differently) or differ in value: 8 devices, base and adapters in the train
+    layout, int4."""
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    cfg = lora.with_lora(tiny_model_cfg(), RANK, ALPHA, lora.TARGETS)
+    frozen_sh, adapter_sh = lora.split(model.param_shardings(cfg, mesh))
+    frozen = jax.device_put(model.init_params(lora.base_config(cfg), 0), frozen_sh)
+    adapters = lora.init_adapters(cfg, jax.random.key(1), adapter_sh)
+    adapters = jax.tree.map(lambda x: x + 0.1, adapters)  # B != 0
+    want = precision_lib.prepare_fn("int4")(lora_policy.merged(cfg, frozen, adapters))
+    got = lora_policy.merged(cfg, frozen, adapters, precision="int4")
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype and g.sharding.is_equivalent_to(w.sharding, g.ndim)
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), w.astype(jnp.float32))
 
 
 # ----------------------------------------------------------------------------- the RL loop

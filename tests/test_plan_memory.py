@@ -45,6 +45,10 @@ SAMPLE_CASES = [  # devices, prompts, samples per prompt, bucketed prompt width,
     dict(devices=1, prompts=4, samples=3, prompt=128, new=96, chunk=0, precision="float32"),
     dict(devices=8, prompts=16, samples=4, prompt=128, new=96, chunk=32, precision="float32"),
 ]
+# model.lora's sampler copy: base + adapters merged straight into the sampler's format
+# (rl/lora_policy.merged), the base in the train layout, the copy in the sample layout
+MERGE_CASES = [dict(mesh=m, precision=p) for m in ({}, {"fsdp": 4, "tensor": 2})
+               for p in ("bfloat16", "int4")]  # fmt: skip
 
 
 def _xla_total(compiled) -> int:
@@ -203,12 +207,52 @@ def _sample_case(case):
     }
 
 
+def _merge_case(case):
+    """XLA's output and temporary bytes of LoRA's merge into the sampler's format, beside the
+    planner's copy, the largest float32 matrix and the whole float32 merged copy (per device,
+    sample layout)."""
+    import math
+
+    import jax
+
+    from ess_jax.memory import planner as memory
+    from ess_jax.model import decoder as model
+    from ess_jax.model import lora
+    from ess_jax.parallel import sharding
+    from ess_jax.rl import lora_policy
+
+    fmt = case["precision"]
+    sizes = sharding.mesh_shape(case["mesh"], math.prod(case["mesh"].values()))
+    mesh = sharding.make_mesh(sizes, jax.devices()[: math.prod(sizes.values())])
+    cfg = lora.with_lora(model.ModelConfig(**MODEL), 8, 16.0, lora.TARGETS)
+    base_cfg, amesh = lora.base_config(cfg), memory.abstract_mesh(sizes)
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        model.abstract_params(cfg),
+        model.param_shardings(cfg, mesh, "train"),
+    )
+    merge = lora_policy._merge_fn(cfg, mesh, "sample", fmt)
+    m = merge.lower(*lora.split(params)).compile().memory_analysis()
+    abstract = jax.tree.leaves(model.abstract_params(base_cfg))
+    shardings = jax.tree.leaves(model.param_shardings(base_cfg, mesh, "sample"))
+    largest = max(4 * math.prod(s.shard_shape(x.shape)) for x, s in zip(abstract, shardings))
+    return {
+        "output": m.output_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "planned": memory.sampler_copy_bytes(base_cfg, amesh, fmt),
+        "largest_f32_matrix": largest,
+        "f32_copy": memory.param_bytes(base_cfg, amesh, "sample"),
+        "leaves": len(jax.tree.leaves(jax.eval_shape(merge, *lora.split(params)))),
+    }
+
+
 def measure_all() -> None:
     """Runs in the subprocess: prints one JSON dict of every case's numbers."""
     out = {f"train{i}": _train_case(c) for i, c in enumerate(TRAIN_CASES)}
     for i, c in enumerate(SAMPLE_CASES):
         for phase, v in _sample_case(c).items():
             out[f"sample{i}_{phase}"] = v
+    out["merge"] = [_merge_case(c) for c in MERGE_CASES]
     print("RESULT " + json.dumps(out))
 
 
@@ -232,6 +276,7 @@ def test_estimates_within_25_percent_of_xla(measured):
     """Catches: a planner term that drifts from what XLA allocates (a missing buffer, a sharding
     the planner divides by but XLA does not apply, e.g. activations replicated over FSDP ranks,
     a chunked path that still materialises the whole [B, T, V] logits)."""
+    measured = {k: v for k, v in measured.items() if k != "merge"}  # test_lora_merge_...
     assert len(measured) == len(TRAIN_CASES) + 2 * len(SAMPLE_CASES)
     errors = {name: (v["estimate"] - v["xla"]) / v["xla"] for name, v in sorted(measured.items())}
     for name, v in measured.items():
@@ -240,6 +285,20 @@ def test_estimates_within_25_percent_of_xla(measured):
         assert v["transient"] > 0.3 * v["xla"], (name, v)
     bad = {k: f"{e:+.0%}" for k, e in errors.items() if abs(e) > TOLERANCE}
     assert not bad, (bad, {k: f"{e:+.0%}" for k, e in errors.items()})
+
+
+def test_lora_merge_outputs_the_planned_copy_and_no_float32_model(measured):
+    """Catches a planner whose LoRA sampler copy is not what lora_policy.merged(..., precision)
+    outputs (another format, scales counted split where they are whole) and a merge program
+    that holds the whole float32 merged model before converting it: XLA's compiled output is
+    the planned copy (plus its tuple's pointer table, 8 bytes a leaf) and its temporaries at
+    most one float32 matrix (+1% for the scales' reductions): a merged block matrix on one
+    device, the embedding gathered to the sample layout before its cast on fsdp 4 x tensor 2;
+    bfloat16 and int4."""
+    assert len(measured["merge"]) == len(MERGE_CASES)
+    for case, m in zip(MERGE_CASES, measured["merge"]):
+        assert 0 <= m["output"] - m["planned"] <= 8 * m["leaves"], (case, m)
+        assert 0 < m["temp"] <= 1.01 * m["largest_f32_matrix"] < m["f32_copy"] / 3, (case, m)
 
 
 def test_tool_prints_a_verdict_last(capsys):

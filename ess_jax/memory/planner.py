@@ -135,7 +135,8 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     cfg = model_config(config.model)
     rank = lora_policy.lora_settings(config.model)[0]
     # LoRA: a frozen base (QLoRA: its block matrices as int8 / int4 codes and float32 scales)
-    # and trained adapters; the sampler and eval run the merged model, float32
+    # and trained adapters; the sampler runs the merged model in rollout.precision, eval in
+    # float32
     cfg = lora_policy.lora_config(config.model, cfg)
     policy_cfg = lora.base_config(cfg)
     r, t = config.rollout, config.train
@@ -186,12 +187,21 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
         terms = sampler_terms(
             scfg, amesh, prompts, n, bucket_length(prompt_len), r.max_new_tokens, precision, kv
         )
-        # the sample-layout gather; with LoRA the policy's merged copy, on any mesh
-        merged = rank and mcfg is policy_cfg
-        gathered = param_bytes(mcfg, amesh, "sample") if sizes["fsdp"] > 1 or merged else 0.0
+        if rank and mcfg is policy_cfg:  # LoRA: one program merges base + adapters straight
+            # into the sampler's format and layout (lora_policy.merged; its temporaries, at
+            # most one float32 matrix in XLA's count, are gone before the KV cache exists)
+            copy = sampler_copy_bytes(mcfg, amesh, precision)
+            if precision == "float32":
+                copy = param_bytes(mcfg, amesh, "sample")
+            weights = {f"merged sampler copy ({precision})": copy}
+        else:  # sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params
+            gathered = param_bytes(mcfg, amesh, "sample") if sizes["fsdp"] > 1 else 0.0
+            weights = {
+                "sample-layout params (f32)": gathered,
+                f"sampler copy ({precision})": sampler_copy_bytes(mcfg, amesh, precision),
+            }
         phases[name] = {
-            "sample-layout params (f32)": gathered,  # sampler.sample_layout, per collection
-            f"sampler copy ({precision})": sampler_copy_bytes(mcfg, amesh, precision),
+            **weights,
             "kv_cache": terms["kv_cache"],
             "sampler_tmp": max(terms["prefill"], terms["decode"]),
         }

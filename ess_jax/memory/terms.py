@@ -78,12 +78,14 @@ def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
     shardings = model_lib.param_shardings(cfg, mesh, "sample")
     flat = jax.tree_util.tree_leaves_with_path(model_lib.abstract_params(cfg))
     for (path, x), s in zip(flat, jax.tree.leaves(shardings)):
-        elems = math.prod(s.shard_shape(x.shape))
+        shard = s.shard_shape(x.shape)
+        elems = math.prod(shard)
         name = getattr(path[-1], "key", None)
         if x.ndim < 2:
             total += 4 * elems
         elif fmt.codes is not None and name in INPUT_AXES:
-            per_scale = math.prod(x.shape[i] for i in INPUT_AXES[name])
+            # the scales keep the matrix's output axes' shards, whole over its input axes
+            per_scale = math.prod(shard[i] for i in INPUT_AXES[name])
             scales = elems / per_scale if fmt.per_channel else 1
             total += elems * fmt.code_bytes + 4 * scales
         else:

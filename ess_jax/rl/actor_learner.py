@@ -237,7 +237,9 @@ class Sampler:
         t0 = time.perf_counter()
         rng = jax.random.fold_in(jax.random.fold_in(run.rng, 1), k)  # the sync loop's key
         rollout, metrics = dynamic_sampling.collect_batch(
-            lora_policy.source(run.model_cfg, self._frozen, params, version),
+            lora_policy.source(
+                run.model_cfg, self._frozen, params, version, run.rollout_cfg.precision
+            ),
             self._batcher,
             run.tokenizer,
             run.reward_fn,

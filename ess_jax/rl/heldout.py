@@ -38,6 +38,8 @@ def evaluate(
     shape: the last one is topped up with repeats of the first examples, whose samples are
     dropped unscored, so every example counts once whatever num_examples % batch_size is.
     """
+    if policy.prepared not in (None, "float32"):  # eval samples the float32 policy
+        raise ValueError(f"eval: the policy's params are prepared in {policy.prepared}")
     n_ex = min(len(examples), int(ecfg.num_examples)) if ecfg.num_examples else len(examples)
     if n_ex == 0:
         raise ValueError("eval: no held-out examples")

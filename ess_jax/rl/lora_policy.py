@@ -7,7 +7,10 @@ reference snapshots and the checkpoints all hold adapters only; the base is mode
 reloaded on a resume. With model.lora.base_precision int8 / int4 (QLoRA) the frozen base holds
 the block matrices quantized (`frozen_base`), and the merge starts from their dequantized
 values. The sampler draws from the merged weights W + (alpha / R) A B (`SAMPLER_FORM`): one
-dense matmul per weight per decode step instead of three.
+dense matmul per weight per decode step instead of three. One jitted program merges them
+straight into the sampler's format (`merged(..., precision=)`: rollout.precision's bfloat16
+copy or int4 codes, sampling/precision.py), so the whole float32 merged model is never held
+beside that copy; the sampler does not prepare it again (`PolicySource.prepared`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ess_jax.config.schema import lora_targets
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora, quant
 from ess_jax.rl.rollout import PolicySource
+from ess_jax.sampling import precision as precision_lib
 
 # How the sampler runs base + adapters: "merged" (W + (alpha / R) A B once per collection, the
 # plain model's decode) or "adapters" (x W + (alpha / R) (x A) B in every matmul). Side by
@@ -74,18 +78,35 @@ def attach(mcfg, cfg, params, mesh=None, seed: int = 0):
     return cfg, frozen_base(cfg, params, mesh), adapters
 
 
-@functools.lru_cache(maxsize=8)
-def _merge_fn(cfg, mesh, layout: str):
+@functools.lru_cache(maxsize=16)
+def _merge_fn(cfg, mesh, layout: str, precision: str):
     out = None
     if mesh is not None:
         out = model_lib.param_shardings(lora.base_config(cfg), mesh, layout)
-    return jax.jit(functools.partial(lora.merge, cfg), out_shardings=out)
+    merge = functools.partial(lora.merge, cfg)
+    if precision == "float32":
+        return jax.jit(merge, out_shardings=out)
+
+    def merge_and_prepare(frozen, adapters):
+        full = merge(frozen, adapters)
+        if out is not None:  # the layout the two-program path prepares from
+            full = jax.lax.with_sharding_constraint(full, out)
+        return precision_lib.prepare_params(full, precision)
+
+    return jax.jit(merge_and_prepare)
 
 
-def merged(cfg, frozen, adapters, layout: str = "sample"):
+def merged(cfg, frozen, adapters, layout: str = "sample", precision: str = "float32"):
     """W + (alpha / R) A B for every adapter: the plain model's params (`lora.base_config`), in
-    `layout` on the base's mesh (for the sampler: the merge and its gather in one program)."""
-    return _merge_fn(cfg, _mesh_of(frozen), layout)(frozen, adapters)
+    `layout` on the base's mesh (for the sampler: the merge and its gather in one program).
+    With a `precision` other than float32, the sampler's copy in that format
+    (precision.prepare_params of the merged params) from the same program: each merged
+    float32 matrix is a temporary of its own conversion (XLA's compiled temporaries: at most
+    one float32 matrix, tests/test_plan_memory.py), and the copy is bit for bit that of
+    merging, then preparing (tests/test_lora.py)."""
+    if precision not in precision_lib.PRECISIONS:
+        raise ValueError(f"precision {precision!r} not in {precision_lib.PRECISIONS}")
+    return _merge_fn(cfg, _mesh_of(frozen), layout, precision)(frozen, adapters)
 
 
 def _mesh_of(tree):
@@ -93,12 +114,15 @@ def _mesh_of(tree):
     return getattr(sharding, "mesh", None)
 
 
-def source(cfg, frozen, params, version: int) -> PolicySource:
-    """What the sampler draws from: the policy itself, or base + adapters (`SAMPLER_FORM`)."""
+def source(cfg, frozen, params, version: int, precision: str = "float32") -> PolicySource:
+    """What the sampler draws from: the policy itself, or base + adapters (`SAMPLER_FORM`),
+    merged straight into the sampler's `precision` (config.rollout.precision; float32 for
+    eval) and marked `prepared` so the sampler uses it as it is."""
     if frozen is None:
         return PolicySource(cfg, params, version)
     if SAMPLER_FORM == "merged":
-        return PolicySource(lora.base_config(cfg), merged(cfg, frozen, params), version)
+        full = merged(cfg, frozen, params, precision=precision)
+        return PolicySource(lora.base_config(cfg), full, version, prepared=precision)
     return PolicySource(cfg, lora.join(frozen, params), version)
 
 

@@ -51,11 +51,14 @@ class Rollout:
 @dataclasses.dataclass
 class PolicySource:
     """A model that can draw samples: config, params (any layout: the sampler moves them to
-    the sample layout for the duration of a collection) and a version number."""
+    the sample layout for the duration of a collection) and a version number. `prepared`: the
+    sampler format (rollout.precision) the params are already in, in the sample layout
+    (lora_policy.source's merge); None: the sampler prepares them itself."""
 
     cfg: Any
     params: Any
     version: int
+    prepared: str | None = None
 
 
 class ParamHistory:
@@ -106,12 +109,26 @@ def _draw(
         raise ValueError(
             f"config.rollout.sample_microbatches: {calls} does not divide {len(prompts)} prompts"
         )
-    params = sampler_lib.sample_layout(src.cfg, src.params)  # once for all calls
+    if src.prepared is None:
+        params = sampler_lib.sample_layout(src.cfg, src.params)  # once for all calls
+    elif src.prepared != precision:
+        raise ValueError(f"the policy's params are prepared in {src.prepared}, not {precision}")
+    else:
+        params = src.params
+    prepared = src.prepared is not None
     parts = []
     for i, (p, m) in enumerate(zip(np.split(prompts, calls), np.split(prompt_mask, calls))):
         key = rng if calls == 1 else jax.random.fold_in(rng, i)
         out = sampler_lib.sample(
-            src.cfg, params, p, m, sampling, key, precision=precision, kv_cache=kv_cache
+            src.cfg,
+            params,
+            p,
+            m,
+            sampling,
+            key,
+            precision=precision,
+            kv_cache=kv_cache,
+            prepared=prepared,
         )
         parts.append({k: sharding_lib.to_host(getattr(out, k)) for k in _FIELDS})
     fields = {k: np.concatenate([part[k] for part in parts]) for k in _FIELDS}

@@ -241,7 +241,9 @@ class Run:
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
         with preemption.interruptible():  # SIGTERM: the step is redone from its start state
             rollout, metrics = dynamic_sampling.collect_batch(
-                lora_policy.source(self.model_cfg, self.state.frozen, params_b, version),
+                lora_policy.source(
+                    self.model_cfg, self.state.frozen, params_b, version, self.rollout_cfg.precision
+                ),
                 self.batcher,
                 self.tokenizer,
                 self.reward_fn,

@@ -151,6 +151,7 @@ def sample(
     precision: str = "float32",
     mesh: Mesh | None = None,
     kv_cache: str = "compute",
+    prepared: bool = False,
 ) -> SampleOutput:
     """Draw `sampling.num_samples` completions of each left-padded prompt.
 
@@ -158,6 +159,8 @@ def sample(
     (KV_CACHE_PRECISIONS; "compute": the compute dtype). With a `mesh` (default: the mesh the
     params live on, if any) the params are moved to the sample layout if they are not there
     yet and the rows are split over the data axes; the numbers are the same as unsharded.
+    `prepared`: the params are already `precision`'s copy in the sample layout (LoRA's
+    merge, rl/lora_policy.py), used as they are.
     """
     if precision not in precision_lib.PRECISIONS:
         raise ValueError(f"precision {precision!r} not in {precision_lib.PRECISIONS}")
@@ -190,12 +193,12 @@ def sample(
         kv_cache=kv_cache,
     )
     mesh = mesh if mesh is not None else _infer_mesh(params)
-    if mesh is not None and mesh.size > 1:
-        params = sample_layout(cfg, params, mesh)
-    else:
+    if mesh is None or mesh.size == 1:
         mesh = None
+    elif not prepared:
+        params = sample_layout(cfg, params, mesh)
     sample_cfg = precision_lib.sample_config(cfg, precision)
-    if precision != "float32":
+    if precision != "float32" and not prepared:
         params = precision_lib.prepare_fn(precision)(params)
 
     _compiled_keys.add((sample_cfg, st, mesh))
