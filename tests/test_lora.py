@@ -207,15 +207,16 @@ def test_merge_into_the_sampler_format_draws_the_same_tokens_and_logps(
 
 def test_a_copy_prepared_for_another_precision_is_refused(tiny):
     """Catches a caller that merges for one precision and samples in another (e.g. a call of
-    lora_policy.source without config.rollout.precision, or eval, which samples in float32,
+    lora_policy.source without config.rollout.precision, or eval with eval.precision float32
     drawing from the bfloat16 copy): the draw and eval fail with a message naming both."""
     cfg, params, adapters, _ = tiny
     src = lora_policy.source(cfg, params, adapters, 0, "bfloat16")
     prompts, mask = np.ones((2, 4), np.int32), np.ones((2, 4), bool)
     with pytest.raises(ValueError, match="prepared in bfloat16, not float32"):
         rollout._draw(src, prompts, mask, sampler.SamplingConfig(), jax.random.key(0), "float32", 1)
-    with pytest.raises(ValueError, match="prepared in bfloat16"):
-        heldout.evaluate(src, [{}], None, None, None, (), jax.random.key(0))
+    ecfg = {"precision": "float32"}
+    with pytest.raises(ValueError, match="prepared in bfloat16, not float32"):
+        heldout.evaluate(src, [{}], None, None, ecfg, (), jax.random.key(0))
 
 
 def test_sharded_merge_into_int4_matches_the_two_programs_and_their_layout():

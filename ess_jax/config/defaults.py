@@ -175,4 +175,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval.k = 4
     c.eval.temperature = 1.0
     c.eval.max_new_tokens = 16
+    # the sampler's format for held-out eval (rollout.precision's values): float32 scores the
+    # policy itself; a lower one (bfloat16) holds the sampler's copy in that format (with
+    # model.lora the merge writes it straight in: no float32 merged copy), and the eval numbers
+    # then include the format's rounding (docs/configs.md; docs/memory.md: 8B LoRA on one GPU)
+    c.eval.precision = "float32"
     return c

@@ -180,6 +180,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.precision": PRECISIONS,
     "rollout.external_precision": PRECISIONS,
     "rollout.kv_cache_precision": KV_CACHE_PRECISIONS,
+    "eval.precision": PRECISIONS,
     "train.mode": TRAIN_MODES,
     "model.lora.base_precision": LORA_BASE_PRECISIONS,
 }

@@ -122,11 +122,39 @@ class Plan:
         return out
 
 
+def sampler_phase(
+    cfg, mesh, merged: bool, precision, prompts, samples, prompt_len, new_tokens, kv_cache
+) -> dict[str, float]:
+    """Per-device bytes of one sampler call of the policy `cfg` in `precision` (a collection or
+    held-out eval): its weights, KV cache and temporaries. `merged` (LoRA): one program merges
+    base + adapters straight into the sampler's format and layout (lora_policy.merged; its
+    temporaries, at most one float32 matrix in XLA's count, are gone before the KV cache
+    exists). Else sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params."""
+    from ess_jax.sampling.precision import sample_config
+    from ess_jax.sampling.sampler import bucket_length
+
+    terms = sampler_terms(
+        sample_config(cfg, precision), mesh, prompts, samples, bucket_length(prompt_len),
+        new_tokens, precision, kv_cache,
+    )  # fmt: skip
+    copy = sampler_copy_bytes(cfg, mesh, precision)
+    if merged:
+        if precision == "float32":
+            copy = param_bytes(cfg, mesh, "sample")
+        weights = {f"merged sampler copy ({precision})": copy}
+    else:
+        gathered = param_bytes(cfg, mesh, "sample") if mesh.shape["fsdp"] > 1 else 0.0
+        weights = {"sample-layout params (f32)": gathered, f"sampler copy ({precision})": copy}
+    return {
+        **weights,
+        "kv_cache": terms["kv_cache"],
+        "sampler_tmp": max(terms["prefill"], terms["decode"]),
+    }
+
+
 def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Plan:
     """The memory plan of `config` on `num_devices` devices of kind `device` (a key of HBM),
     with the config's mesh or `mesh`."""
-    from ess_jax.sampling.precision import sample_config
-    from ess_jax.sampling.sampler import bucket_length
 
     if device not in HBM:
         raise ValueError(f"unknown device {device!r}; valid: {sorted(HBM)}")
@@ -136,13 +164,12 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     rank = lora_policy.lora_settings(config.model)[0]
     # LoRA: a frozen base (QLoRA: its block matrices as int8 / int4 codes and float32 scales)
     # and trained adapters; the sampler runs the merged model in rollout.precision, eval in
-    # float32
+    # eval.precision
     cfg = lora_policy.lora_config(config.model, cfg)
     policy_cfg = lora.base_config(cfg)
     r, t = config.rollout, config.train
     train_params = param_bytes(cfg, amesh, "train")  # LoRA: base and adapters
     trained = trained_bytes(cfg, amesh)  # what the optimizer, history and snapshots hold
-    sample_params = param_bytes(policy_cfg, amesh, "sample")
     resident: dict[str, float] = {
         "params (f32)": train_params,
         "optimizer state": optimizer_bytes(cfg, amesh, config.optim.to_dict()),
@@ -176,46 +203,24 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     calls = int(r.get("sample_microbatches", 1))
     prompts = config.data.prompts_per_step // calls
     n_ext = round(r.external_fraction * r.group_size) if ecfg is not None else 0
+    kv = r.get("kv_cache_precision", "compute")
     for name, mcfg, precision, n in (
         ("sample", policy_cfg, r.precision, r.group_size - n_ext),
         ("sample external", ecfg, r.external_precision, n_ext),
     ):
         if mcfg is None or n == 0:
             continue
-        scfg = sample_config(mcfg, precision)
-        kv = r.get("kv_cache_precision", "compute")
-        terms = sampler_terms(
-            scfg, amesh, prompts, n, bucket_length(prompt_len), r.max_new_tokens, precision, kv
+        merged = bool(rank) and mcfg is policy_cfg
+        phases[name] = sampler_phase(
+            mcfg, amesh, merged, precision, prompts, n, prompt_len, r.max_new_tokens, kv
         )
-        if rank and mcfg is policy_cfg:  # LoRA: one program merges base + adapters straight
-            # into the sampler's format and layout (lora_policy.merged; its temporaries, at
-            # most one float32 matrix in XLA's count, are gone before the KV cache exists)
-            copy = sampler_copy_bytes(mcfg, amesh, precision)
-            if precision == "float32":
-                copy = param_bytes(mcfg, amesh, "sample")
-            weights = {f"merged sampler copy ({precision})": copy}
-        else:  # sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params
-            gathered = param_bytes(mcfg, amesh, "sample") if sizes["fsdp"] > 1 else 0.0
-            weights = {
-                "sample-layout params (f32)": gathered,
-                f"sampler copy ({precision})": sampler_copy_bytes(mcfg, amesh, precision),
-            }
-        phases[name] = {
-            **weights,
-            "kv_cache": terms["kv_cache"],
-            "sampler_tmp": max(terms["prefill"], terms["decode"]),
-        }
     e = config.eval
-    if e.every:  # rl/heldout.py samples in float32 from a sample-layout copy of the params
-        terms = sampler_terms(
-            policy_cfg.replace(dtype="float32"), amesh, e.batch_size, e.k,
-            bucket_length(prompt_len), e.max_new_tokens, "float32",
+    if e.every:  # rl/heldout.py: the policy in eval.precision, its KV cache in that compute dtype
+        precision = e.get("precision", "float32")
+        phases["eval"] = sampler_phase(
+            policy_cfg, amesh, bool(rank), precision, e.batch_size, e.k, prompt_len,
+            e.max_new_tokens, "compute",
         )  # fmt: skip
-        phases["eval"] = {
-            "eval params (f32)": sample_params if sizes["fsdp"] > 1 or rank else 0.0,
-            "kv_cache": terms["kv_cache"],
-            "sampler_tmp": max(terms["prefill"], terms["decode"]),
-        }
     if r.lag:
         phases["history push"] = {"new version": trained}
     return Plan(device, sizes, resident, phases)

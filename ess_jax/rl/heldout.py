@@ -34,12 +34,17 @@ def evaluate(
     `ecfg.num_examples` of `examples` (all if 0).
 
     Every example is scored with `ecfg.k` samples at `ecfg.temperature`; pass@1 is the mean
-    success over all samples, pass@k the unbiased estimator with n = k. Batches have a fixed
+    success over all samples, pass@k the unbiased estimator with n = k. The sampler runs in
+    `ecfg.precision` (rollout.precision's formats): a `policy` not `prepared` is prepared by
+    the sampler, a prepared one (lora_policy.source) must be in that format. Batches have a fixed
     shape: the last one is topped up with repeats of the first examples, whose samples are
     dropped unscored, so every example counts once whatever num_examples % batch_size is.
     """
-    if policy.prepared not in (None, "float32"):  # eval samples the float32 policy
-        raise ValueError(f"eval: the policy's params are prepared in {policy.prepared}")
+    precision = str(ecfg.get("precision", "float32"))
+    if policy.prepared not in (None, precision):
+        raise ValueError(
+            f"eval: the policy's params are prepared in {policy.prepared}, not {precision}"
+        )
     n_ex = min(len(examples), int(ecfg.num_examples)) if ecfg.num_examples else len(examples)
     if n_ex == 0:
         raise ValueError("eval: no held-out examples")
@@ -67,6 +72,8 @@ def evaluate(
             b["prompt_mask"],
             sampling,
             jax.random.fold_in(rng, i),
+            precision=precision,
+            prepared=policy.prepared is not None,
         )
         mask = sharding_lib.to_host(out.response_mask)[:rows]
         texts = rollout_lib.completions_text(

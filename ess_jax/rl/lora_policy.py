@@ -116,8 +116,8 @@ def _mesh_of(tree):
 
 def source(cfg, frozen, params, version: int, precision: str = "float32") -> PolicySource:
     """What the sampler draws from: the policy itself, or base + adapters (`SAMPLER_FORM`),
-    merged straight into the sampler's `precision` (config.rollout.precision; float32 for
-    eval) and marked `prepared` so the sampler uses it as it is."""
+    merged straight into the sampler's `precision` (config.rollout.precision, or for held-out
+    eval config.eval.precision) and marked `prepared` so the sampler uses it as it is."""
     if frozen is None:
         return PolicySource(cfg, params, version)
     if SAMPLER_FORM == "merged":

@@ -173,7 +173,7 @@ class Run:
         params = self.state.params
         if self.state.frozen is None:
             params = sharding_lib.reshard(params, self.sample_sh)
-        src = lora_policy.source(self.model_cfg, self.state.frozen, params, step)
+        src = lora_policy.source(self.model_cfg, self.state.frozen, params, step, e.precision)
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 2), step)
         return eval_lib.evaluate(
             src,
