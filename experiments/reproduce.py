@@ -35,6 +35,9 @@ sys.path.insert(0, ROOT)  # configs.mini; experiments.run_stats
 
 from experiments.run_stats import TIMING_KEYS, read_rows  # noqa: E402
 
+# One XLA thread: --xla_cpu_multi_thread_eigen=false. The bare intra_op_parallelism_threads=1
+# token is no XLA flag: XLA stops reading at it, so any flag must come before it (xla_flags).
+# It stays because every committed command.txt carries this exact string.
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 # Experiments in the order they run (each completes all its seeds before the next starts).
 EXPERIMENTS = (

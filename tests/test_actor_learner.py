@@ -173,7 +173,7 @@ def test_async_rows_carry_the_mismatch_of_the_trained_policy_against_pi_b(stale_
     assert max(r["logratio_max"] for r in rows) > 1e-3  # stale batches: pi_theta moved away
 
 
-def test_a_resumed_paced_run_keeps_its_lag_budget(tmp_path):
+def test_a_resumed_paced_run_keeps_its_lag_budget(tmp_path, monkeypatch):
     """Catches the ESS pacing restarting from max_lag on resume (its state not in the
     checkpoint, or restored after the sampler started with the initial budget): a Ctrl-C at
     the start of step 3 checkpoints step 3; the resumed run's controller must hold the budget
@@ -194,9 +194,17 @@ def test_a_resumed_paced_run_keeps_its_lag_budget(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         _run(config, tmp_path, interrupt).run()
+    sampler_init = actor_learner.Sampler.__init__
+
+    def spy(self, *args, **kwargs):  # the budget the resumed run's sampler starts drawing with
+        seen.setdefault("sampler_budget", args[7] if len(args) > 7 else kwargs["budget"])
+        sampler_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(actor_learner.Sampler, "__init__", spy)
     _run(config, tmp_path, resume).run()
     assert seen["saved"]["running"] is not None
     assert seen["restored"] == (3, seen["saved"])
+    assert seen["sampler_budget"] == seen["saved"]["budget"]
     rows = read_metrics(tmp_path)
     pacer = LagController(ASYNC["rollout.max_lag"], 0, ASYNC["rollout.target_ess"])
     assert [r["step"] for r in rows] == list(range(5))

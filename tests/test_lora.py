@@ -173,8 +173,8 @@ def test_merge_into_the_sampler_format_draws_the_same_tokens_and_logps(
     tiny, precision, base, monkeypatch
 ):
     """Catches a fused merge + prepare whose copy differs from merging in float32 and then
-    preparing (a cast before the add, int4 scales of the unmerged base, a QLoRA base merged
-    undequantized) and a sampler that prepares the fused copy again: the copies, the sampled
+    preparing (a cast before the add, int4 scales of the unmerged base) and a sampler that
+    prepares the fused copy again: the copies, the sampled
     tokens and the recorded behaviour and raw log-probs must be the two-program path's, bit for
     bit, with precision.prepare_fn never called on the fused path."""
     cfg, params, adapters, _ = tiny

@@ -338,9 +338,9 @@ class ActorLearner:
         run.step_start = (run.batcher.state(), int(run.state.step))  # Ctrl-C rewinds to it
         run.batcher.restore(batch.data_after)
         row = run.learn(step, batch.rollout, batch.metrics, batch.version, None, t0)
+        budget = self.pacer.update(float(row["ess"]))  # at once: a Ctrl-C saves step + 1 with it
         versions = np.asarray(batch.rollout.policy_version)
         lags = step - versions[versions >= 0]  # the external model's rows (-1) have no lag
-        budget = self.pacer.update(float(row["ess"]))
         self.sampler.set_budget(budget)
         row.update(
             lag_mean=float(lags.mean()) if lags.size else 0.0,
