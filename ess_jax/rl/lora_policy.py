@@ -16,6 +16,7 @@ beside that copy; the sampler does not prepare it again (`PolicySource.prepared`
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 
@@ -128,8 +129,21 @@ def source(cfg, frozen, params, version: int, precision: str = "float32") -> Pol
 
 def export(cfg, frozen, params, hf_dir: str, peft_dir: str, tokenizer, base_source: str):
     """The merged HF checkpoint in `hf_dir`; the PEFT adapter in `peft_dir`, written to
-    `peft_dir`.tmp first and renamed (a reader never sees half of one)."""
+    `peft_dir`.tmp first and renamed (a reader never sees half of one). With a quantized base
+    (QLoRA) the adapters were trained on the int8 / int4 base, while PEFT applies them to the
+    float base it loads: that policy is not the trained one (the merged `hf_dir` is), and a
+    warning says so."""
     from ess_jax.io import peft_adapter, weights
+
+    if cfg.lora_base_precision != "compute":
+        logging.warning(
+            "the PEFT adapter in %s was trained on a %s base; PEFT applies it to the float base "
+            "%s, which is not the trained policy: use the merged checkpoint %s for that",
+            peft_dir,
+            cfg.lora_base_precision,
+            base_source,
+            hf_dir,
+        )
 
     full = merged(cfg, frozen, params, layout="train")
     weights.save_hf(lora.base_config(cfg), full, hf_dir, tokenizer=tokenizer)
