@@ -93,23 +93,39 @@ def _strip(rows):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
+def _signal_mid_run(workdir, cache, rows: int, sig, wait_s: float, **start):
+    """Starts the slowed run on `workdir`, sends `sig` once `rows` rows are written, and
+    returns its exit code (negative: killed by that signal)."""
+    p = _start(workdir, cache, slow=True, **start)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_rows(workdir)) < rows:
+            assert p.poll() is None and time.monotonic() < deadline, _err(workdir)
+            time.sleep(0.05)
+        p.send_signal(sig)
+        p.wait(timeout=wait_s)
+    finally:
+        p.kill()
+    return p.returncode
+
+
+def _run_to_end(workdir, cache, **start) -> None:
+    """Runs (or resumes) the run on `workdir` to its end; it must exit 0."""
+    p = _start(workdir, cache, **start)
+    try:
+        assert p.wait(timeout=300) == 0, _err(workdir)
+    finally:
+        p.kill()
+
+
 def test_sigterm_checkpoints_exits_143_and_the_resume_is_exact(tmp_path):
     """Catches SIGTERM killing the run at once (rc 143 with no checkpoint past the last periodic
     one, as before the handler), a checkpoint that loses or repeats a step (the saved step must
     equal the rows written, and the resumed rows must equal an uninterrupted run's, timing
     aside), and an exit that is not one `stopped:` line with 143."""
     cache, cut, full = tmp_path / "jax_cache", tmp_path / "cut", tmp_path / "full"
-    p = _start(cut, cache, slow=True)  # compiles; the later runs load from the cache
-    try:
-        deadline = time.monotonic() + 300
-        while len(_rows(cut)) < 3:
-            assert p.poll() is None and time.monotonic() < deadline, _err(cut)
-            time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=120)
-    finally:
-        p.kill()
-    assert p.returncode == preemption.EXIT_CODE == 143, (p.returncode, _err(cut))
+    rc = _signal_mid_run(cut, cache, 3, signal.SIGTERM, 120)  # compiles; the others load
+    assert rc == preemption.EXIT_CODE == 143, (rc, _err(cut))
     assert _err(cut).strip().splitlines()[-1] == (
         "stopped: SIGTERM: the checkpoint is written; rerun the same command to resume"
     ), _err(cut)
@@ -179,28 +195,14 @@ def test_kill_9_with_lora_and_lag_2_resumes_exactly(tmp_path):
     the last checkpoint that the resume would keep twice. The resumed run's rows must equal an
     uninterrupted run's, timing aside, and the kill must land after a checkpoint but mid-run."""
     cache, cut, full = tmp_path / "jax_cache", tmp_path / "cut", tmp_path / "full"
-    ref = _start(full, cache, **LORA_LAG)  # compiles into the cache the others load from
-    assert ref.wait(timeout=300) == 0, _err(full)
-    p = _start(cut, cache, slow=True, **LORA_LAG)
-    try:
-        deadline = time.monotonic() + 300
-        while len(_rows(cut)) < 5:  # step 4's checkpoint is written, step 5's row maybe
-            assert p.poll() is None and time.monotonic() < deadline, _err(cut)
-            time.sleep(0.05)
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=60)
-    finally:
-        p.kill()
-    assert p.returncode == -signal.SIGKILL
+    _run_to_end(full, cache, **LORA_LAG)  # compiles into the cache the others load from
+    # after 5 rows: step 4's checkpoint is written, step 5's row maybe
+    assert _signal_mid_run(cut, cache, 5, signal.SIGKILL, 60, **LORA_LAG) == -signal.SIGKILL
     saved = Checkpointer(str(cut / "checkpoints")).latest_step()
     assert saved is not None and 2 <= saved < 8, saved
     assert (cut / "lock").exists()  # kill -9 leaves the lock: the resume must take it over
 
-    resumed = _start(cut, cache, **LORA_LAG)
-    try:
-        assert resumed.wait(timeout=300) == 0, _err(cut)
-    finally:
-        resumed.kill()
+    _run_to_end(cut, cache, **LORA_LAG)
     assert len(_rows(full)) == 8 and _rows(full)[-1]["policy_lag"] == 2
     assert _strip(_rows(cut)) == _strip(_rows(full))
 
@@ -216,25 +218,13 @@ def test_kill_9_of_an_async_run_resumes_with_each_step_once(tmp_path):
     uninterrupted run's; the prompts each step takes are checked in tests/test_actor_learner.py.)"""
     cache, cut = tmp_path / "jax_cache", tmp_path / "cut"
     devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    p = _start(cut, cache, slow=True, env=devices, **ASYNC)
-    try:
-        deadline = time.monotonic() + 300
-        while len(_rows(cut)) < 5:  # step 4's checkpoint is written, steps past it maybe
-            assert p.poll() is None and time.monotonic() < deadline, _err(cut)
-            time.sleep(0.05)
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=60)
-    finally:
-        p.kill()
-    assert p.returncode == -signal.SIGKILL
+    # after 5 rows: step 4's checkpoint is written, steps past it maybe
+    rc = _signal_mid_run(cut, cache, 5, signal.SIGKILL, 60, env=devices, **ASYNC)
+    assert rc == -signal.SIGKILL
     saved = Checkpointer(str(cut / "checkpoints")).latest_step()
     assert saved is not None and 2 <= saved < 10, saved
 
-    resumed = _start(cut, cache, env=devices, **ASYNC)
-    try:
-        assert resumed.wait(timeout=300) == 0, _err(cut)
-    finally:
-        resumed.kill()
+    _run_to_end(cut, cache, env=devices, **ASYNC)
     rows = [r for r in _rows(cut) if "reward_mean" in r]
     assert [r["step"] for r in rows] == list(range(10))
     assert all(0 <= r["lag_max"] <= 2 for r in rows), [r["lag_max"] for r in rows]
