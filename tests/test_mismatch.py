@@ -1,10 +1,12 @@
 """The mismatch command (ess_jax/mismatch) end to end on the embedded model: the on-policy
 float32 pair has no gap, the decode replay reproduces the sampler's recorded log-probs, the
 exact KL equals a float64 numpy KL of the tempered and plain softmaxes of the trainer's logits,
-the three files are written, and bad settings fail in one line."""
+the three files are written, a run cut short records the command of the rows it wrote, and bad
+settings fail in one line."""
 
 import json
 import os
+import shlex
 
 import jax
 import numpy as np
@@ -114,6 +116,30 @@ def test_exact_kl_against_numpy(command):
     np.testing.assert_allclose(arrays["kl_rev"][mask], kl_r[mask], rtol=1e-4, atol=1e-6)
     assert np.abs(kl_f - kl_r)[mask].max() > 1e-3
     np.testing.assert_allclose(arrays["replay_blogp"][mask], arrays["blogp"][mask], atol=1e-5)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_run_cut_short_records_the_command_of_its_rows(command, tmp_path):
+    """A run stopped after its first setting (the log line after it raises) keeps a JSON whose
+    recorded command names that setting only, shell-quoted, and parses back to the run's own
+    arguments. Catches a recorded command that lists settings the run never measured (rerun
+    and --combined, it would add rows the report never had) or loses a label's spaces."""
+    first = "precision=float32,label=on policy (f32)"
+    args = cli.parse_args([*ARGS[:-2], first, "temperature=1.5", f"--out={tmp_path}"])
+
+    def stop(*_):
+        raise _Stop
+
+    with pytest.raises(_Stop):
+        cli.run(args, log=stop)
+    data = json.load(open(tmp_path / "mismatch.json"))
+    assert [r["setting"]["label"] for r in data["results"]] == ["on policy (f32)"]
+    argv = shlex.split(data["run"]["command"])
+    assert argv[:3] == ["python", "-m", "ess_jax.mismatch"]
+    assert vars(cli.parse_args(argv[3:])) == {**vars(args), "settings": [first]}
 
 
 @pytest.mark.parametrize(

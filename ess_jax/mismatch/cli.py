@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+import shlex
 import time
 
 import numpy as np
@@ -55,7 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "task and counts; settings run in parallel processes), their rows in order",
     )
     a = ap.parse_args(argv)
-    a.argv = list(sys.argv[1:] if argv is None else argv)
     if not a.model and not a.combine:
         ap.error("--model is required (or --combine DIR ...)")
     for name in ("prompts", "samples", "max_new_tokens", "chunk"):
@@ -79,7 +78,6 @@ def run(args: argparse.Namespace, log=print) -> tuple[list[dict], dict[str, str]
         "samples": args.samples,
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
-        "command": "python -m ess_jax.mismatch " + " ".join(args.argv),
     }
     externals: dict[str, measure_lib.Model] = {}
     lagged: dict[tuple, object] = {}
@@ -114,7 +112,9 @@ def run(args: argparse.Namespace, log=print) -> tuple[list[dict], dict[str, str]
             trainer_params=trainer_params,
         )
         results.append(result_of(s, arrays, time.perf_counter() - t0))
-        # written after each setting: a run cut short keeps the rows it measured
+        # written after each setting: a run cut short keeps the rows it measured, and its
+        # command names those settings only, so that it regenerates exactly them
+        run_info["command"] = command_line(args, args.settings[: len(results)])
         paths = report.write(args.out, results, run_info)
         a = results[-1]["stats"]["all"]
         log(
@@ -123,6 +123,16 @@ def run(args: argparse.Namespace, log=print) -> tuple[list[dict], dict[str, str]
             f"({results[-1]['seconds']:.0f}s)"
         )
     return results, paths
+
+
+def command_line(args: argparse.Namespace, settings: list[str]) -> str:
+    """The shell command that measures `settings` with `args`' model, task, counts, seeds and
+    --out: each argument quoted (a label may hold spaces), every default written out."""
+    argv = ["--model", args.model, "--task", args.task, "--prompts", str(args.prompts)]
+    argv += ["--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens)]
+    argv += ["--chunk", str(args.chunk), "--seed", str(args.seed)]
+    argv += ["--init-seed", str(args.init_seed), "--out", args.out, "--settings", *settings]
+    return "python -m ess_jax.mismatch " + shlex.join(argv)
 
 
 def result_of(setting: Setting, arrays: dict, seconds: float) -> dict:
