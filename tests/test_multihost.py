@@ -86,7 +86,10 @@ class Launch:
                 "PYTHONPATH": str(REPO),
                 "ESS_JAX_NO_DISTRIBUTED": "1",  # no SLURM / MPI auto-detection
             }
-            for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+            # no persistent compilation cache (tests/conftest.py's): a pod's processes compile
+            # their programs themselves, as on a fresh pod
+            for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                      "JAX_COMPILATION_CACHE_DIR"):  # fmt: skip
                 env.pop(k, None)
             if num_processes > 1:
                 env.update(
