@@ -29,7 +29,6 @@ RUN = {
     "rollout.max_new_tokens": 4,
     "train.steps": 16,
 }
-STEPS = RUN["train.steps"]
 TIMING = ("tokens_per_s", "sample_s", "step_s")
 
 
@@ -118,32 +117,6 @@ def _run_to_end(workdir, cache, **start) -> None:
         p.kill()
 
 
-def test_sigterm_checkpoints_exits_143_and_the_resume_is_exact(tmp_path):
-    """Catches SIGTERM killing the run at once (rc 143 with no checkpoint past the last periodic
-    one, as before the handler), a checkpoint that loses or repeats a step (the saved step must
-    equal the rows written, and the resumed rows must equal an uninterrupted run's, timing
-    aside), and an exit that is not one `stopped:` line with 143."""
-    cache, cut, full = tmp_path / "jax_cache", tmp_path / "cut", tmp_path / "full"
-    rc = _signal_mid_run(cut, cache, 3, signal.SIGTERM, 120)  # compiles; the others load
-    assert rc == preemption.EXIT_CODE == 143, (rc, _err(cut))
-    assert _err(cut).strip().splitlines()[-1] == (
-        "stopped: SIGTERM: the checkpoint is written; rerun the same command to resume"
-    ), _err(cut)
-    saved = Checkpointer(str(cut / "checkpoints")).latest_step()
-    assert saved == len(_rows(cut)) and 3 <= saved < STEPS, saved  # no step lost or repeated
-    assert not (cut / "lock").exists()
-
-    resumed, ref = _start(cut, cache), _start(full, cache)  # ref: uninterrupted
-    try:
-        assert resumed.wait(timeout=300) == 0, _err(cut)
-        assert ref.wait(timeout=300) == 0, _err(full)
-    finally:
-        resumed.kill()
-        ref.kill()
-    assert len(_rows(full)) == STEPS
-    assert _strip(_rows(cut)) == _strip(_rows(full))
-
-
 def _small(s):
     return {"w": jnp.full((4, 2), float(s)), "step": jnp.int32(s)}
 
@@ -189,17 +162,31 @@ LORA_LAG = {
 }
 
 
-def test_kill_9_with_lora_and_lag_2_resumes_exactly(tmp_path):
-    """Catches a kill -9 (no handler runs) that loses what a LoRA run with lag 2 needs to resume:
-    the adapters' optimizer state, the lag-2 history of adapter snapshots, or rows written after
-    the last checkpoint that the resume would keep twice. The resumed run's rows must equal an
-    uninterrupted run's, timing aside, and the kill must land after a checkpoint but mid-run."""
+def test_sigterm_then_kill_9_of_a_lora_lag_2_run_each_resume_exactly(tmp_path):
+    """One LoRA run with lag 2, stopped twice and resumed twice (what its resume needs: the
+    adapters' optimizer state and the lag-2 history of adapter snapshots). Catches:
+    - SIGTERM killing the run at once (rc 143 with no checkpoint past the last periodic one, as
+      before the handler), a checkpoint that loses or repeats a step (the saved step must equal
+      the rows written), an exit that is not one `stopped:` line with 143, a lock left behind;
+    - a kill -9 of the resumed run (no handler runs) that leaves it unresumable: the lock must
+      be taken over and rows written after the last checkpoint not kept twice;
+    - a resume that loses the optimizer state or the history: the final rows must equal an
+      uninterrupted run's, timing aside."""
     cache, cut, full = tmp_path / "jax_cache", tmp_path / "cut", tmp_path / "full"
     _run_to_end(full, cache, **LORA_LAG)  # compiles into the cache the others load from
-    # after 5 rows: step 4's checkpoint is written, step 5's row maybe
-    assert _signal_mid_run(cut, cache, 5, signal.SIGKILL, 60, **LORA_LAG) == -signal.SIGKILL
+    rc = _signal_mid_run(cut, cache, 3, signal.SIGTERM, 120, **LORA_LAG)
+    assert rc == preemption.EXIT_CODE == 143, (rc, _err(cut))
+    assert _err(cut).strip().splitlines()[-1] == (
+        "stopped: SIGTERM: the checkpoint is written; rerun the same command to resume"
+    ), _err(cut)
     saved = Checkpointer(str(cut / "checkpoints")).latest_step()
-    assert saved is not None and 2 <= saved < 8, saved
+    assert saved == len(_rows(cut)) and 3 <= saved < 8, saved  # no step lost or repeated
+    assert not (cut / "lock").exists()
+
+    # the resume, killed once 6 rows are written: step 4's checkpoint is, step 6's maybe
+    assert _signal_mid_run(cut, cache, 6, signal.SIGKILL, 60, **LORA_LAG) == -signal.SIGKILL
+    saved = Checkpointer(str(cut / "checkpoints")).latest_step()
+    assert saved is not None and 4 <= saved < 8, saved
     assert (cut / "lock").exists()  # kill -9 leaves the lock: the resume must take it over
 
     _run_to_end(cut, cache, **LORA_LAG)
