@@ -185,7 +185,7 @@ def test_merge_into_the_sampler_format_draws_the_same_tokens_and_logps(
     sc = sampler.SamplingConfig(temperature=1.0, max_new_tokens=4, num_samples=2, stop_ids=())
     key = jax.random.key(3)
     ref_src = _two_program_source(cfg, frozen, adapters)
-    want, _ = rollout._draw(ref_src, prompts, mask, sc, key, precision, 1)
+    want, _ = rollout.draw(ref_src, prompts, mask, sc, key, precision, 1)
     ref_copy = ref_src.params
     if precision != "float32":
         ref_copy = precision_lib.prepare_fn(precision)(ref_copy)
@@ -196,7 +196,7 @@ def test_merge_into_the_sampler_format_draws_the_same_tokens_and_logps(
         np.testing.assert_array_equal, jax.device_get(src.params), jax.device_get(ref_copy)
     )
     monkeypatch.setattr(precision_lib, "prepare_fn", lambda p: pytest.fail(f"prepared {p} again"))
-    got, _ = rollout._draw(src, prompts, mask, sc, key, precision, 1)
+    got, _ = rollout.draw(src, prompts, mask, sc, key, precision, 1)
     for field in ("tokens", "response_mask", "behaviour_logp"):
         np.testing.assert_array_equal(got[field], want[field], err_msg=field)
     kw = dict(precision=precision, prepared=True)
@@ -213,7 +213,7 @@ def test_a_copy_prepared_for_another_precision_is_refused(tiny):
     src = lora_policy.source(cfg, params, adapters, 0, "bfloat16")
     prompts, mask = np.ones((2, 4), np.int32), np.ones((2, 4), bool)
     with pytest.raises(ValueError, match="prepared in bfloat16, not float32"):
-        rollout._draw(src, prompts, mask, sampler.SamplingConfig(), jax.random.key(0), "float32", 1)
+        rollout.draw(src, prompts, mask, sampler.SamplingConfig(), jax.random.key(0), "float32", 1)
     ecfg = {"precision": "float32"}
     with pytest.raises(ValueError, match="prepared in bfloat16, not float32"):
         heldout.evaluate(src, [{}], None, None, ecfg, (), jax.random.key(0))
@@ -295,7 +295,7 @@ def test_checkpoints_hold_adapters_only(tmp_path):
     assert read_metrics(full)[-1]["policy_lag"] == 1
 
     ckpt = Checkpointer(str(full / "checkpoints"))
-    saved = ckpt._mngr.item_metadata(ckpt.latest_step())["state"]
+    saved = ckpt.saved_tree(ckpt.latest_step())
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved)]
     assert not any("embed" in p or "frozen" in p for p in paths), paths[:5]
     assert any("'lora'" in p for p in paths)

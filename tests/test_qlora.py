@@ -215,7 +215,7 @@ def test_resume_on_an_int4_base_is_exact(tmp_path, qlora_run):
     strip = lambda r: {k: v for k, v in r.items() if k not in volatile}  # noqa: E731
     assert strip(row) == strip(rows[2])
 
-    saved = run.ckpt._mngr.item_metadata(2)["state"]
+    saved = run.ckpt.saved_tree(2)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved)]
     assert not any("codes" in p or "frozen" in p or "embed" in p for p in paths), paths[:5]
     assert any("'lora'" in p for p in paths)

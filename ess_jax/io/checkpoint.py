@@ -228,6 +228,14 @@ class Checkpointer:
             raise FileNotFoundError(f"no committed checkpoint step {step} in {self.directory}")
         return self._read_metadata(step)
 
+    def saved_tree(self, step: int):
+        """The saved train state's tree of array metadata (shapes, dtypes) at a committed
+        step, without reading the arrays: what a checkpoint holds (e.g. adapters only)."""
+        step = int(step)
+        if not self._committed(step):
+            raise FileNotFoundError(f"no committed checkpoint step {step} in {self.directory}")
+        return self._mngr.item_metadata(step)["state"]
+
     def _read_metadata(self, step: int) -> dict:
         """read_metadata without the local commit check (the caller agreed on it: _prune)."""
         self._mngr.reload()

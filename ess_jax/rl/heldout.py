@@ -41,10 +41,7 @@ def evaluate(
     dropped unscored, so every example counts once whatever num_examples % batch_size is.
     """
     precision = str(ecfg.get("precision", "float32"))
-    if policy.prepared not in (None, precision):
-        raise ValueError(
-            f"eval: the policy's params are prepared in {policy.prepared}, not {precision}"
-        )
+    policy.check_format(precision, "eval: ")
     n_ex = min(len(examples), int(ecfg.num_examples)) if ecfg.num_examples else len(examples)
     if n_ex == 0:
         raise ValueError("eval: no held-out examples")

@@ -80,7 +80,9 @@ def attach(mcfg, cfg, params, mesh=None, seed: int = 0):
 
 
 @functools.lru_cache(maxsize=16)
-def _merge_fn(cfg, mesh, layout: str, precision: str):
+def merge_fn(cfg, mesh, layout: str, precision: str):
+    """`merged`'s jitted program for a config, mesh, layout and format (cached: one compile
+    per combination); its compiled memory is what tests/test_plan_memory.py measures."""
     out = None
     if mesh is not None:
         out = model_lib.param_shardings(lora.base_config(cfg), mesh, layout)
@@ -107,7 +109,7 @@ def merged(cfg, frozen, adapters, layout: str = "sample", precision: str = "floa
     merging, then preparing (tests/test_lora.py)."""
     if precision not in precision_lib.PRECISIONS:
         raise ValueError(f"precision {precision!r} not in {precision_lib.PRECISIONS}")
-    return _merge_fn(cfg, _mesh_of(frozen), layout, precision)(frozen, adapters)
+    return merge_fn(cfg, _mesh_of(frozen), layout, precision)(frozen, adapters)
 
 
 def _mesh_of(tree):

@@ -60,6 +60,13 @@ class PolicySource:
     version: int
     prepared: str | None = None
 
+    def check_format(self, precision: str, who: str = "") -> None:
+        """Refuses a sampler run in `precision` on params prepared in another format."""
+        if self.prepared not in (None, precision):
+            raise ValueError(
+                f"{who}the policy's params are prepared in {self.prepared}, not {precision}"
+            )
+
 
 class ParamHistory:
     """The last `lag + 1` policy versions, so rollouts can come from a stale policy.
@@ -93,7 +100,7 @@ class ParamHistory:
 _FIELDS = ("tokens", "response_mask", "behaviour_logp", "sequences", "sequence_mask")
 
 
-def _draw(
+def draw(
     src: PolicySource,
     prompts,
     prompt_mask,
@@ -109,10 +116,9 @@ def _draw(
         raise ValueError(
             f"config.rollout.sample_microbatches: {calls} does not divide {len(prompts)} prompts"
         )
+    src.check_format(precision)
     if src.prepared is None:
         params = sampler_lib.sample_layout(src.cfg, src.params)  # once for all calls
-    elif src.prepared != precision:
-        raise ValueError(f"the policy's params are prepared in {src.prepared}, not {precision}")
     else:
         params = src.params
     prepared = src.prepared is not None
@@ -167,7 +173,7 @@ def collect(
     rng_pol, rng_ext = jax.random.split(rng)
     calls = int(rcfg.get("sample_microbatches", 1))
     kv = dict(kv_cache=str(rcfg.get("kv_cache_precision", "compute")))
-    fields, version = _draw(
+    fields, version = draw(
         policy,
         prompts,
         pmask,
@@ -178,7 +184,7 @@ def collect(
         **kv,
     )
     if n_ext:
-        ext_fields, ext_version = _draw(
+        ext_fields, ext_version = draw(
             external,
             prompts,
             pmask,
