@@ -3,6 +3,7 @@
     python tools/async_cost.py                                  # 8 fake CPU devices, 4 + 4
     python tools/async_cost.py --devices=16 --rollout_devices=8 --max_lag=2 --steps=16
     python tools/async_cost.py --config=configs/quickstart.py --set data.prompts_per_step=64
+    taskset -c 0 python tools/async_cost.py     # the whole process on one core
 
 Three runs of the same config, each in a temporary workdir, timed per step after --warmup
 steps (compiles):
@@ -17,7 +18,12 @@ what was measured, and the speed-up over run 1 predicted and measured.
 Seconds per step are the median of the gaps between consecutive trainer steps (the time from
 one `Run.learn` start to the next), which includes the waits. On CPU devices the two sides
 share the host's cores: the measured speed-up there tests the model's contention-free
-assumption as much as the schedule. Do not time it next to other work on the machine.
+assumption as much as the schedule. XLA:CPU gives no way to run each side on a core of its
+own: both meshes' programs run on the process's one thread pool, which uses every core the
+process may use, and `--xla_cpu_multi_thread_eigen=false` no longer limits it (a 1024^3 matmul
+chain on the 2-core host: 0.0447 s a call on both cores, 0.0965 s pinned to one with
+`taskset -c 0`, the same with the flag). `taskset` pins the whole process, both sides at once.
+Do not time it next to other work on the machine.
 """
 
 from __future__ import annotations
@@ -104,8 +110,9 @@ def main(argv=None) -> None:
     args = _args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if os.environ["JAX_PLATFORMS"] == "cpu":
+        # the device count first: XLA stops reading XLA_FLAGS at a bare `name=value` token
         flag = f"--xla_force_host_platform_device_count={args.devices}"
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " " + flag
+        os.environ["XLA_FLAGS"] = f"{flag} {os.environ.get('XLA_FLAGS', '')}".strip()
     from ess_jax.rl import async_cost
 
     w = args.warmup
@@ -134,6 +141,9 @@ def main(argv=None) -> None:
     async_rows, async_starts = _timed(_config(args, **fields))
     sync_step = gap(sync_starts)
     out = {
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "cores": sorted(os.sched_getaffinity(0)),
         "sync": {"sample_s": s_sample, "train_s": s_train, "step_s": sync_step},
         "terms": terms.__dict__,
         "turns": {
