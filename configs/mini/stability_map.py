@@ -14,7 +14,7 @@ Objectives (arm suffix, common.OBJECTIVES): GRPO clip 0.2, GRPO + truncated IS, 
 has it (k3), P3O cap-only, P3O with each other trust-region estimator (k3_is, forward, full),
 M2PO, VCPO.
 
-    python experiments/reproduce.py --experiments stability_map --seeds 0 1 2 --jobs 2
+    python experiments/reproduce.py --experiments stability_map --seeds 0 1 2 3 4 --jobs 2
     python experiments/analyze.py results          # tables; the heat-map is written beside them
 
 one arm by hand, after its seed's warm start:
