@@ -22,8 +22,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # subprocesses tests start (they inherit the environment): a program is compiled once and
 # loaded by every later Run that traces it again (each Run jits its own step, so jit's
 # in-memory cache does not see the repeat). tests/test_train.py with test_knobs_exact.py:
-# 322 CPU-s without, 210 with. The size limit turns on the cache's file lock (workers write
-# it at once). Tests that count compiles or need their own cache turn it off or set another.
+# 322 CPU-s without, 210 with. No size limit: with one, every write lists and stats the whole
+# directory to evict (quadratic over a session's thousands of programs: the suite took 25 min
+# instead of 18). Without it there is no file lock either; a read that meets a half-written
+# entry (both workers may write one at once) fails its check, warns and compiles instead.
+# Tests that count compiles or need their own cache turn it off or set another.
 CACHE_DIR = os.path.join(
     tempfile.gettempdir(), f"ess_jax_tests_{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"
 )
@@ -31,7 +34,6 @@ for _key, _value in {
     "JAX_COMPILATION_CACHE_DIR": CACHE_DIR,
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
-    "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
 }.items():
     os.environ.setdefault(_key, _value)
 

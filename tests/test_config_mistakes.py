@@ -293,7 +293,7 @@ def test_rollout_metrics_feed_the_constant_reward_warning(monkeypatch):
         }
         return fields, np.zeros((b,), np.int32)
 
-    monkeypatch.setattr(rollout_lib, "_draw", fake_draw)
+    monkeypatch.setattr(rollout_lib, "draw", fake_draw)
     rcfg = base_config().rollout
     rcfg.group_size, rcfg.max_new_tokens = 2, 2
     batch = {
