@@ -223,18 +223,19 @@ class Checkpointer:
     def read_metadata(self, step: int) -> dict:
         """The JSON metadata of a committed step, without touching its arrays (a caller can
         build the abstract state from it, e.g. how many policy versions were kept)."""
-        step = int(step)
-        if not self._committed(step):
-            raise FileNotFoundError(f"no committed checkpoint step {step} in {self.directory}")
-        return self._read_metadata(step)
+        return self._read_metadata(self._committed_step(step))
 
     def saved_tree(self, step: int):
         """The saved train state's tree of array metadata (shapes, dtypes) at a committed
         step, without reading the arrays: what a checkpoint holds (e.g. adapters only)."""
+        return self._mngr.item_metadata(self._committed_step(step))["state"]
+
+    def _committed_step(self, step: int) -> int:
+        """`step` as an int; FileNotFoundError if it is not a committed checkpoint."""
         step = int(step)
         if not self._committed(step):
             raise FileNotFoundError(f"no committed checkpoint step {step} in {self.directory}")
-        return self._mngr.item_metadata(step)["state"]
+        return step
 
     def _read_metadata(self, step: int) -> dict:
         """read_metadata without the local commit check (the caller agreed on it: _prune)."""
