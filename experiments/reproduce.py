@@ -12,9 +12,12 @@ finishes, its metrics.jsonl and a command.txt (the exact commands that reproduce
 fresh clone, `{workdir}` standing for any empty directory) go to
 <results>/<experiment>/<arm>/<seed>/. `experiments/analyze.py <results>` makes the tables.
 
-Runs are deterministic on the CPU: every process uses one XLA thread (XLA_FLAGS below), so two
-jobs use two cores without competing, and a rerun of the command gives the same metrics
-(timing fields aside: run_stats.TIMING_KEYS).
+Runs are deterministic on the CPU: a rerun of the command gives the same metrics (timing
+fields aside: run_stats.TIMING_KEYS; `check` reruns a committed run and compares). XLA_FLAGS
+below asks for one XLA thread per process, which jax 0.10.2's XLA:CPU no longer honours (a
+1024^3 matmul chain with the flag runs 2.2x faster on two cores than pinned to one:
+tools/async_cost.py's docstring), so jobs run side by side share the cores: their timing
+fields show it, their metrics do not.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ sys.path.insert(0, ROOT)  # configs.mini; experiments.run_stats
 
 from experiments.run_stats import TIMING_KEYS, read_rows  # noqa: E402
 
-# One XLA thread: --xla_cpu_multi_thread_eigen=false. The bare intra_op_parallelism_threads=1
-# token is no XLA flag: XLA stops reading at it, so any flag must come before it (xla_flags).
-# It stays because every committed command.txt carries this exact string.
+# --xla_cpu_multi_thread_eigen=false asks for one XLA thread (no longer honoured, see the
+# module docstring). The bare intra_op_parallelism_threads=1 token is no XLA flag: XLA stops
+# reading at it, so any flag must come before it (xla_flags). Both stay because every
+# committed command.txt carries this exact string.
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 # Experiments in the order they run (each completes all its seeds before the next starts).
 EXPERIMENTS = (
@@ -146,7 +150,7 @@ def command_txt(job: Job, sets: tuple[str, ...] = ()) -> str:
 
 
 def xla_flags(experiment: str) -> str:
-    """XLA_FLAGS of a run: one XLA thread, and the experiment's DEVICES CPU devices. The device
+    """XLA_FLAGS of a run: XLA_FLAGS, and the experiment's DEVICES CPU devices. The device
     count goes first: XLA stops reading flags at the bare `intra_op_parallelism_threads=1`
     token of XLA_FLAGS, so a flag after it is ignored (the async runs then saw one device)."""
     n = DEVICES.get(experiment, 1)
