@@ -39,6 +39,10 @@ TRAIN_CASES = [  # devices, rows (global), prompt width, response tokens, logits
     dict(
         devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="float32", lora=8, base="int4"
     ),
+    # model.lora.dropout: its masks and dropped inputs, kept for the backward
+    dict(
+        devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="bfloat16", lora=8, dropout=0.1
+    ),
 ]
 SAMPLE_CASES = [  # devices, prompts, samples per prompt, bucketed prompt width, new tokens
     dict(devices=1, prompts=4, samples=3, prompt=128, new=96, chunk=0, precision="float32"),
@@ -77,7 +81,8 @@ def _train_case(case):
     model_cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
     if case.get("lora"):
         base = case.get("base", "compute")
-        model_cfg = lora.with_lora(model_cfg, case["lora"], 16.0, lora.TARGETS, base)
+        dropout = case.get("dropout", 0.0)
+        model_cfg = lora.with_lora(model_cfg, case["lora"], 16.0, lora.TARGETS, base, dropout)
     mesh = sharding.make_mesh({"fsdp": case["devices"]}, jax.devices()[: case["devices"]])
     tx = make_optimizer(OPTIM)
     with_sh = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)

@@ -153,8 +153,10 @@ def test_sigterm_is_held_through_a_checkpoint_save_and_raised_at_the_step_end(tm
 
 # format reward: the untrained tiny model earns it on some groups, so the adapters get gradients
 # (addition earns nothing without SFT, and a zero gradient never exercises the optimizer state)
+# dropout 0.1: its masks come from the seed and the update count, so a resume redraws them
 LORA_LAG = {
     "model__lora__rank": 4,
+    "model__lora__dropout": 0.1,
     "rollout__lag": 2,
     "optim__lr": 5e-3,
     "train__steps": 8,
@@ -170,8 +172,8 @@ def test_sigterm_then_kill_9_of_a_lora_lag_2_run_each_resume_exactly(tmp_path):
       the rows written), an exit that is not one `stopped:` line with 143, a lock left behind;
     - a kill -9 of the resumed run (no handler runs) that leaves it unresumable: the lock must
       be taken over and rows written after the last checkpoint not kept twice;
-    - a resume that loses the optimizer state or the history: the final rows must equal an
-      uninterrupted run's, timing aside."""
+    - a resume that loses the optimizer state or the history, or draws other LoRA dropout
+      masks: the final rows must equal an uninterrupted run's, timing aside."""
     cache, cut, full = tmp_path / "jax_cache", tmp_path / "cut", tmp_path / "full"
     _run_to_end(full, cache, **LORA_LAG)  # compiles into the cache the others load from
     rc = _signal_mid_run(cut, cache, 3, signal.SIGTERM, 120, **LORA_LAG)

@@ -38,7 +38,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.lora = ml_collections.ConfigDict()
     c.model.lora.rank = 0
     c.model.lora.alpha = 16.0
-    c.model.lora.dropout = 0.0  # only 0: the trainer's log-probs must be the sampler's
+    # dropout on the adapters' inputs in the trainer's forwards only (model/lora.py): > 0 makes
+    # the trainer's log-probs a noisy copy of the sampler's, an on-policy ratio no longer 1
+    c.model.lora.dropout = 0.0
     c.model.lora.targets = "q,k,v,o,gate,up,down"  # comma-separated, any of these seven
     # QLoRA (ess_jax/model/quant.py): the frozen base's seven block matrices in the param dtype
     # ("compute"), or stored as "int8" / "int4" codes with per-output-channel scales and

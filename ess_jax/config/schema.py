@@ -223,13 +223,6 @@ def lora_targets(value) -> tuple[str, ...]:
 
 
 def _check_lora(get) -> None:
-    if v := get("model.lora.dropout"):
-        if v[0]:
-            fail(
-                "model.lora.dropout",
-                f"{v[0]}: only 0 (dropout would make the trainer's log-probs differ from the "
-                "sampler's, and the on-policy ratio from 1)",
-            )
     if v := get("model.lora.targets"):
         targets = lora_targets(v[0])
         bad = [t for t in targets if t not in LORA_TARGETS]

@@ -56,7 +56,7 @@ def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict:
         "base_model_name_or_path": base_model,
         "r": cfg.lora_rank,
         "lora_alpha": cfg.lora_alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": cfg.lora_dropout,
         "bias": "none",
         "fan_in_fan_out": False,
         "target_modules": sorted(hf_names[n] for n in lora.targets_of(cfg, lora.TARGETS)),

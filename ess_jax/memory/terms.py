@@ -35,6 +35,10 @@ COEF = {
     "logits": 1.21,  # x r T V 4: logits and their gradient (unchunked)
     "logits_chunk": 0.45,  # x r C V 4 (chunked)
     "full_kl": 1.5,  # x r C V 4 per behaviour model: kl_estimator "full"'s re-score (1.0-2.0)
+    # x L r T (summed input widths of the targeted matmuls): model.lora.dropout's masks and
+    # dropped inputs kept for the backward, bytes per element whatever the dtype (8.4 in float32
+    # on 1 device, 8.3 in bfloat16 on 8: the random bits and the mask are 32-bit either way)
+    "lora_dropout": 8.4,
     # sampler
     "draw": 9.47,  # x rows V 4: one token's draw (logits, noise, log-softmax, ...)
     "dequant": 1.34,  # x block weights in bfloat16 (a quantized sampler format)
@@ -215,6 +219,11 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
         terms["activations"] = n_layers * r * t * d * b + per_layer
     else:
         terms["activations"] = n_layers * per_layer
+    if cfg.lora_rank and cfg.lora_dropout:  # one layer's with remat: it is recomputed
+        width = {"o": h * cfg.head_dim, "down": f}  # the others read the [r, T, D] stream
+        inputs = sum(width.get(n, d) for n in lora.targets_of(cfg, lora.TARGETS))
+        n_kept = 1 if cfg.remat else n_layers
+        terms["LoRA dropout"] = k["lora_dropout"] * n_kept * r * t * inputs
     if c:
         terms["attention"] = k["attn_chunk_tmp"] * r * h * c * t * 4
     else:

@@ -55,6 +55,9 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = lora.TARGETS
+    # dropout on each adapter's input, x A -> dropout(x) A (PEFT's lora_dropout), in the forwards
+    # that get per-row dropout keys: the trainer's differentiated ones (lora.py `project`)
+    lora_dropout: float = 0.0
     # the block matrices' storage (quant.py): "compute" = the param dtype; "int8" / "int4" =
     # codes with per-output-channel scales, dequantized inside the forward (QLoRA: lora_rank > 0)
     lora_base_precision: str = "compute"
@@ -69,6 +72,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.lora_base_precision {self.lora_base_precision!r} quantizes LoRA's "
                 "frozen base: needs lora_rank > 0"
+            )
+        if not 0.0 <= self.lora_dropout < 1.0 or (self.lora_dropout and not self.lora_rank):
+            raise ValueError(
+                f"ModelConfig.lora_dropout {self.lora_dropout}: must be in [0, 1), and 0 "
+                "without adapters (lora_rank 0)"
             )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(

@@ -93,12 +93,22 @@ class Attention(nnx.Module):
             self.k_norm = _ones((k,), ("norm",))
         self.lora = lora.make_adapters(cfg, lora.ATTENTION_TARGETS)
 
-    def __call__(self, cfg, x_BxTxD, positions_BxT, kv_mask_BxS, cache, cache_index, attend_len):
+    def __call__(
+        self,
+        cfg,
+        x_BxTxD,
+        positions_BxT,
+        kv_mask_BxS,
+        cache,
+        cache_index,
+        attend_len,
+        lora_keys=None,
+    ):
         dt = cfg.compute_dtype
         x_BxTxD = matmul_input(x_BxTxD, cfg.activation_fp8)
-        q = lora.project(cfg, self, "q", x_BxTxD)
-        k = lora.project(cfg, self, "k", x_BxTxD)
-        v = lora.project(cfg, self, "v", x_BxTxD)
+        q = lora.project(cfg, self, "q", x_BxTxD, keys=lora_keys)
+        k = lora.project(cfg, self, "k", x_BxTxD, keys=lora_keys)
+        v = lora.project(cfg, self, "v", x_BxTxD, keys=lora_keys)
         if cfg.qkv_bias:
             q, k, v = (
                 q + self.q_bias[...].astype(dt),
@@ -147,7 +157,7 @@ class Attention(nnx.Module):
         else:
             out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk, offset)
         out = matmul_input(out.reshape(b, t, h, kd), cfg.activation_fp8, 2)
-        return lora.project(cfg, self, "o", out, n_in=2), new_cache
+        return lora.project(cfg, self, "o", out, n_in=2, keys=lora_keys), new_cache
 
 
 class MLP(nnx.Module):
@@ -158,12 +168,12 @@ class MLP(nnx.Module):
         self.down = _matrix(cfg, rngs, "down", (f, d), ("mlp", "embed"), 1.0 / math.sqrt(f))
         self.lora = lora.make_adapters(cfg, lora.MLP_TARGETS)
 
-    def __call__(self, cfg, x_BxTxD):
+    def __call__(self, cfg, x_BxTxD, lora_keys=None):
         x_BxTxD = matmul_input(x_BxTxD, cfg.activation_fp8)
-        g = lora.project(cfg, self, "gate", x_BxTxD)
-        u = lora.project(cfg, self, "up", x_BxTxD)
+        g = lora.project(cfg, self, "gate", x_BxTxD, keys=lora_keys)
+        u = lora.project(cfg, self, "up", x_BxTxD, keys=lora_keys)
         h = matmul_input(jax.nn.silu(g) * u, cfg.activation_fp8)
-        return lora.project(cfg, self, "down", h)
+        return lora.project(cfg, self, "down", h, keys=lora_keys)
 
 
 class Block(nnx.Module):
@@ -173,7 +183,9 @@ class Block(nnx.Module):
         self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, cfg, x, positions, kv_mask, cache, cache_index, attend_len=None):
+    def __call__(
+        self, cfg, x, positions, kv_mask, cache, cache_index, attend_len=None, lora_keys=None
+    ):
         h, new_cache = self.attn(
             cfg,
             rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps),
@@ -182,9 +194,11 @@ class Block(nnx.Module):
             cache,
             cache_index,
             attend_len,
+            lora_keys,
         )
         x = x + h
-        return x + self.mlp(cfg, rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)), new_cache
+        h = self.mlp(cfg, rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps), lora_keys)
+        return x + h, new_cache
 
 
 class Decoder(nnx.Module):
@@ -218,20 +232,24 @@ class Decoder(nnx.Module):
         cache=None,
         cache_index=0,
         attend_len=None,
+        lora_keys=None,
     ):
         """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache.
 
         With a cache, `attend_len` (a static int) limits attention to the first `attend_len`
         cache positions (they must hold every key the queries may see): the sampler's prefill
         attends over the prompt only. Not for decode loops: sliced after the in-place write,
-        the cache is copied at every step (decode.Decode grows the cache per segment instead)."""
+        the cache is copied at every step (decode.Decode grows the cache per segment instead).
+        `lora_keys` ([B] PRNG keys; None: none) draw LoRA dropout masks (lora.dropout), those of
+        layer i from the keys folded with i."""
         x = shard_rows(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype))
         new_cache = []
         for i, layer in enumerate(self.layers):
-            if cfg.remat and cache is None:
-                x, c = jax.checkpoint(lambda x, p, m, layer=layer: layer(cfg, x, p, m, None, 0))(
-                    x, positions_BxT, kv_mask_BxS
-                )
+            keys = lora.fold_rows(lora_keys, i)
+            if cfg.remat and cache is None:  # the recompute redraws the same dropout masks
+                x, c = jax.checkpoint(
+                    lambda x, p, m, k, layer=layer: layer(cfg, x, p, m, None, 0, None, k)
+                )(x, positions_BxT, kv_mask_BxS, keys)
             else:
                 x, c = layer(
                     cfg,
@@ -241,6 +259,7 @@ class Decoder(nnx.Module):
                     None if cache is None else cache[i],
                     cache_index,
                     attend_len,
+                    keys,
                 )
             x = shard_rows(x)
             new_cache.append(c)

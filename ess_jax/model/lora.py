@@ -17,6 +17,15 @@ an argument of the step, never an optimizer parameter (rl/steps.TrainState.froze
 `cfg.lora_base_precision` "int8" / "int4" (QLoRA) the base's block matrices are codes and scales
 (quant.py), dequantized inside `project` and by `merge`: trainer and sampler see one base.
 
+Dropout (`cfg.lora_dropout` p > 0, PEFT's lora_dropout) acts on each adapter's input only:
+x W + (alpha / R) (dropout(x) A) B, dropout(x) = x * mask / (1 - p), an independent mask per
+row, layer and target. A forward draws it only when given per-row dropout keys
+(`dropout_keys`): the trainer's differentiated forwards (rl/steps.py). The sampler (merged
+weights), the proximal / reference scoring and the full-KL re-score of pi_b run without it, so
+with p > 0 the ratio pi / pi_b of an on-policy token is no longer 1: the trainer sees a noisy
+copy of the policy that drew it. A row's masks depend on its key alone, not on the
+micro-batch it lands in: the ESS statistics pass and the gradient pass see the same masks.
+
 Why not qwix (0.1.8) or flax.nnx.LoRA: qwix finds the weight of an intercepted dot_general by
 tracing its right operand back to an `nnx.Param` of the calling module; `layers.dense` reshapes
 the head-split q / k / v / o weights ([D, H, K], [H, K, D]) to 2-D first, and in the eager call
@@ -43,6 +52,10 @@ from ess_jax.model.layers import dense
 TARGETS = LORA_TARGETS  # q, k, v, o, gate, up, down
 ATTENTION_TARGETS, MLP_TARGETS = TARGETS[:4], TARGETS[4:]
 RANK_AXIS = "lora_rank"  # a logical axis no sharding rule names: replicated
+# The batch entry of the per-row dropout keys: each row's PRNG key data, [B, key words]
+DROPOUT_KEYS = "lora_dropout_keys"
+_DROPOUT_STREAM = 0x10A  # folded into the run's seed: a stream of its own (rows are shuffled
+# from the same seed and update count, rl/steps.py)
 
 
 def weight_axes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple, tuple]]:
@@ -90,16 +103,47 @@ def make_adapters(cfg, names: tuple[str, ...]) -> nnx.Dict | None:
     return nnx.Dict(out)
 
 
-def project(cfg, module, name: str, x: jax.Array, n_in: int = 1) -> jax.Array:
-    """`module`'s weight `name` applied to x (the last `n_in` axes), plus its adapter if any."""
+def project(
+    cfg, module, name: str, x: jax.Array, n_in: int = 1, keys: jax.Array | None = None
+) -> jax.Array:
+    """`module`'s weight `name` applied to x (the last `n_in` axes), plus its adapter if any.
+    `keys` ([B] PRNG keys of this layer, `fold_rows`; None: no dropout) draw the adapter
+    input's dropout mask when cfg.lora_dropout > 0."""
     dt = cfg.compute_dtype
     y = quant.matmul(x, getattr(module, name), n_in, dt)  # dequantized here if quantized
     adapters = getattr(module, "lora", None)
     if adapters is None or name not in adapters:
         return y
     pair = adapters[name]
+    x = dropout(x, cfg.lora_dropout, keys, TARGETS.index(name))
     xa = dense(x, pair["a"][...].astype(dt), n_in) * jnp.asarray(scale(cfg), dt)  # [..., R]
     return y + dense(xa, pair["b"][...].astype(dt))
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+def dropout_keys(seed: int, step: jax.Array, batch_size: int) -> jax.Array:
+    """[B, key words] uint32: the data of each row's dropout key for optimizer update `step`
+    (a function of the run's seed and the update count: a rerun or a resume draws the same)."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _DROPOUT_STREAM), step)
+    return jax.random.key_data(jax.random.split(key, batch_size))
+
+
+def fold_rows(keys: jax.Array | None, i: int) -> jax.Array | None:
+    """Every row's key folded with `i` (a layer or target index); None stays None."""
+    return None if keys is None else jax.vmap(jax.random.fold_in, (0, None))(keys, i)
+
+
+def dropout(x: jax.Array, rate: float, keys: jax.Array | None, i: int) -> jax.Array:
+    """Inverted dropout of x [B, ...]: each element kept with probability 1 - rate and scaled by
+    1 / (1 - rate) (the expectation is x), row b's mask drawn from fold_in(keys[b], i). x itself
+    at rate 0 or without keys."""
+    if not rate or keys is None:
+        return x
+    keep = 1.0 - rate
+    mask = jax.vmap(lambda k: jax.random.bernoulli(k, keep, x.shape[1:]))(fold_rows(keys, i))
+    return jnp.where(mask, x / jnp.asarray(keep, x.dtype), jnp.zeros((), x.dtype))
 
 
 # ----------------------------------------------------------------------------- param trees
@@ -159,11 +203,19 @@ def merge(cfg, base: dict, adapters: dict) -> dict:
 def base_config(cfg):
     """The ModelConfig of the base model alone (no adapters in its params tree, its block
     matrices in the param dtype: `merge`'s output)."""
-    return cfg.replace(lora_rank=0, lora_base_precision="compute")
+    return cfg.replace(lora_rank=0, lora_base_precision="compute", lora_dropout=0.0)
 
 
-def with_lora(cfg, rank: int, alpha: float, targets: tuple[str, ...], base_precision="compute"):
-    """`cfg` with adapters of `rank` on `targets`, its frozen base in `base_precision`."""
+def with_lora(
+    cfg,
+    rank: int,
+    alpha: float,
+    targets: tuple[str, ...],
+    base_precision="compute",
+    dropout: float = 0.0,
+):
+    """`cfg` with adapters of `rank` on `targets` (their input's dropout `dropout`), its frozen
+    base in `base_precision`."""
     unknown = set(targets) - set(TARGETS)
     if unknown:
         raise ValueError(f"LoRA targets {sorted(unknown)}: not among {', '.join(TARGETS)}")
@@ -172,6 +224,7 @@ def with_lora(cfg, rank: int, alpha: float, targets: tuple[str, ...], base_preci
         lora_alpha=float(alpha),
         lora_targets=tuple(targets),
         lora_base_precision=base_precision,
+        lora_dropout=float(dropout),
     )
 
 

@@ -4,7 +4,8 @@ the old-logp pass and the checks against the sampler's recorded log-probs read.
 Axis alphabet: B rows, T sequence length (prompt + response), R scored positions (T - start),
 C a chunk of R, D model width, V vocab.
 
-  token_logprobs(cfg, params, tokens_BxT, mask_BxT, return_entropy, start) -> logp_BxR
+  token_logprobs(cfg, params, tokens_BxT, mask_BxT, return_entropy, start, dropout_keys)
+      -> logp_BxR
 
 Only the scored positions go through the LM head: with `start` = the prompt width, an RL step
 spends no vocabulary-sized matmul, softmax or backward on prompt positions (whose log-probs it
@@ -47,12 +48,14 @@ def over_time(fn: Callable, chunk: int, *xs_BxTx_):
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1)[:, :t], out)
 
 
-def scored_hidden(cfg, params, tokens_BxT, mask_BxT, start: int):
+def scored_hidden(cfg, params, tokens_BxT, mask_BxT, start: int, dropout_keys=None):
     """(bound module, hidden states [B, T - start, D]): the final hidden states that predict
-    tokens[:, start:] (position t - 1 predicts token t; start >= 1), for the LM head."""
+    tokens[:, start:] (position t - 1 predicts token t; start >= 1), for the LM head.
+    `dropout_keys` ([B, key words] key data, lora.dropout_keys; None: none): LoRA dropout."""
     module = model_lib.bind(cfg, params)
     positions = model_lib.positions_from_mask(mask_BxT)
-    x, _ = module.hidden(cfg, tokens_BxT, positions, mask_BxT)
+    keys = None if dropout_keys is None else jax.random.wrap_key_data(dropout_keys)
+    x, _ = module.hidden(cfg, tokens_BxT, positions, mask_BxT, lora_keys=keys)
     return module, x[:, start - 1 : -1]
 
 
@@ -63,13 +66,15 @@ def token_logprobs(
     mask_BxT: jax.Array | None = None,
     return_entropy: bool = False,
     start: int = 0,
+    dropout_keys: jax.Array | None = None,
 ):
     """log pi(tokens[t] | tokens[<t]) for t in [start, T), float32, aligned with
     tokens[:, start:] (so [B, T] at the default start 0).
 
     Position 0 (no context) and masked positions get 0. With `return_entropy`, also the
     full-distribution entropy of the prediction of each scored token. `start` (static) is where
-    the scored tokens begin, e.g. the prompt width of an RL batch.
+    the scored tokens begin, e.g. the prompt width of an RL batch. `dropout_keys` (per-row key
+    data, model/lora.py `dropout_keys`) turn on the adapters' dropout (cfg.lora_dropout).
     """
     t = tokens_BxT.shape[1]
     if not 0 <= start < t:
@@ -78,7 +83,7 @@ def token_logprobs(
         mask_BxT = jnp.ones(tokens_BxT.shape, bool)
     mask_BxT = mask_BxT.astype(bool)
     first = max(start, 1)  # the first token that has a context
-    module, x_BxRxD = scored_hidden(cfg, params, tokens_BxT, mask_BxT, first)
+    module, x_BxRxD = scored_hidden(cfg, params, tokens_BxT, mask_BxT, first, dropout_keys)
     targets_BxR = tokens_BxT[:, first:]
 
     def score(x_BxCxD, tgt_BxC):

@@ -43,12 +43,13 @@ def lora_settings(mcfg) -> tuple[int, float, tuple[str, ...]]:
 
 
 def lora_config(mcfg, cfg):
-    """`cfg` with model.lora's adapters and base precision; `cfg` itself at rank 0."""
+    """`cfg` with model.lora's adapters, base precision and dropout; `cfg` itself at rank 0."""
     rank, alpha, targets = lora_settings(mcfg)
     if not rank:
         return cfg
-    precision = mcfg.get("lora").get("base_precision", "compute")
-    return lora.with_lora(cfg, rank, alpha, targets, precision)
+    spec = mcfg.get("lora")
+    precision, dropout = spec.get("base_precision", "compute"), spec.get("dropout", 0.0)
+    return lora.with_lora(cfg, rank, alpha, targets, precision, dropout)
 
 
 @functools.lru_cache(maxsize=8)

@@ -91,12 +91,30 @@ def _over_base(logp_fn, frozen):
     return lambda adapters, mb: logp_fn(lora.join(frozen, adapters), mb)
 
 
-def make_sft_step(cfg, tx, state_sh, batch_sh):
-    """Cross-entropy on demonstrations (completion tokens only)."""
+def with_dropout_keys(cfg, batch, seed: int, step, batch_sh):
+    """`batch` with each row's LoRA dropout key (lora.DROPOUT_KEYS) for update `step` when
+    cfg.lora_dropout > 0, rows sharded as the batch's; else `batch` itself. The keys travel with
+    their rows through the shuffle and the micro-batch split: a row's masks do not depend on
+    num_microbatches or the ESS scope. `batch_sh` None: no sharding constraint."""
+    if not cfg.lora_dropout:
+        return batch
+    keys = lora.dropout_keys(seed, step, batch["tokens"].shape[0])
+    if batch_sh is not None:
+        keys = jax.lax.with_sharding_constraint(keys, batch_sh)
+    return {**batch, lora.DROPOUT_KEYS: keys}
+
+
+def make_sft_step(cfg, tx, state_sh, batch_sh, seed: int = 0):
+    """Cross-entropy on demonstrations (completion tokens only); with cfg.lora_dropout the
+    adapters' dropout keys come from `seed` and the update count."""
 
     def step(state, batch):
+        keys = with_dropout_keys(cfg, batch, seed, state.step, batch_sh).get(lora.DROPOUT_KEYS)
+
         def loss_fn(params):
-            logp = scoring.token_logprobs(cfg, lora.join(state.frozen, params), batch["tokens"])
+            logp = scoring.token_logprobs(
+                cfg, lora.join(state.frozen, params), batch["tokens"], dropout_keys=keys
+            )
             m = batch["loss_mask"].astype(jnp.float32)
             return -jnp.sum(logp * m) / jnp.maximum(m.sum(), 1.0)
 
@@ -115,11 +133,18 @@ def make_sft_step(cfg, tx, state_sh, batch_sh):
 def logp_fn_for(cfg, prompt_len: int, entropy: bool = False):
     """Teacher-forced log-probs of the response tokens (trainer: T=1, float32). With `entropy`,
     (logp, {"entropy": ...}): the full-distribution entropy at each response position, which
-    the objectives' entropy bonus uses instead of the -logp proxy (it carries the gradient)."""
+    the objectives' entropy bonus uses instead of the -logp proxy (it carries the gradient).
+    Rows of `mb` with dropout keys (lora.DROPOUT_KEYS: the RL step's) get LoRA dropout."""
 
     def logp_fn(params, mb):
         out = scoring.token_logprobs(
-            cfg, params, mb["tokens"], mb["attn_mask"], entropy, start=prompt_len
+            cfg,
+            params,
+            mb["tokens"],
+            mb["attn_mask"],
+            entropy,
+            start=prompt_len,
+            dropout_keys=mb.get(lora.DROPOUT_KEYS),
         )
         return out if not entropy else (out[0], {"entropy": out[1]})
 
@@ -160,7 +185,10 @@ def make_rl_step(
     device's block before the split (`scopes.shuffle_rows`), by a permutation drawn from `seed`
     and the update count `state.step`: fixed per update, so a rerun or a resume repeats it.
     `group_size` (rollout.group_size) reaches an objective's batch pass (vcpo's per-group
-    baseline); a metric "lr_scale" of the objective scales this update (`_apply_update`)."""
+    baseline); a metric "lr_scale" of the objective scales this update (`_apply_update`).
+    With cfg.lora_dropout > 0 the policy's differentiated forwards drop adapter inputs, each
+    row by its key from `seed` and `state.step` (`with_dropout_keys`); the proximal and
+    reference log-probs (`score_fn`) and the re-scored pi_b are dropout-free."""
     entropy = objective_cfg.beta_ent != 0
     shuffled = objective_cfg.ess_scope in scopes.SHUFFLED_SCOPES and num_microbatches > 1
     row_blocks = math.prod(batch_sh.mesh.shape[a] for a in sharding_lib.BATCH)
@@ -168,6 +196,7 @@ def make_rl_step(
     def update(state, batch, logp_fn):
         if state.frozen is not None:  # LoRA: the gradient of the adapters only
             logp_fn = _over_base(logp_fn, state.frozen)
+        batch = with_dropout_keys(cfg, batch, seed, state.step, batch_sh)
         key = jax.random.fold_in(jax.random.key(seed), state.step) if shuffled else None
         loss, grads, metrics = scopes.step_loss_and_grad(
             logp_fn,

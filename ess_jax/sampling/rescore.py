@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
 from ess_jax.model.scoring import logprobs_from_logits, over_time, scored_hidden
 from ess_jax.objectives.kl import entropy_from_logits, kl_on_support
 from ess_jax.sampling.draw import kept_support
@@ -117,7 +118,9 @@ def logp_fn_for(
         def response_hidden(c, p):  # the hidden states that predict the response tokens
             return scored_hidden(c, p, tokens, mask, prompt_len)
 
-        policy, x = response_hidden(cfg, params)
+        # the policy with its LoRA dropout (keys in mb: the trainer's step), pi_b without
+        keys = mb.get(lora.DROPOUT_KEYS)
+        policy, x = scored_hidden(cfg, params, tokens, mask, prompt_len, keys)
         behaviours = [response_hidden(c, p) for c, p in sources]
         external_rows = mb["policy_version"].reshape(-1) < 0 if len(sources) > 1 else None
 
