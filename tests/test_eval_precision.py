@@ -1,5 +1,6 @@
-"""eval.precision: held-out eval samples in a chosen sampler format (with model.lora through
-the merge straight into that format), and the memory planner's eval phase counts it."""
+"""eval.precision and eval.kv_cache_precision: held-out eval samples in a chosen sampler format
+(with model.lora through the merge straight into that format) and KV-cache precision, and the
+memory planner's eval phase counts both."""
 
 import re
 
@@ -137,6 +138,41 @@ def test_eval_phase_in_bfloat16_saves_the_hand_counted_bytes(rank):
         saved = kv_f32 // 2 - copy
     tmp_saved = f32["sampler_tmp"] - bf16["sampler_tmp"]
     assert sum(f32.values()) - sum(bf16.values()) == saved + tmp_saved
+
+
+def test_eval_kv_cache_precision_reaches_the_sampler_apart_from_the_rollouts(lora_run, monkeypatch):
+    """Catches eval.kv_cache_precision ignored (eval's cache always in the compute dtype) or
+    eval reading rollout.kv_cache_precision instead: with eval's set to bfloat16 and the
+    rollout's to fp8, every eval sampler call gets kv_cache bfloat16."""
+    run = lora_run
+    seen, real = [], sampler.sample
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("kv_cache"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampler, "sample", spy)
+    run.config.eval.kv_cache_precision = "bfloat16"
+    run.config.rollout.kv_cache_precision = "fp8"
+    try:
+        row = run.evaluate(1)
+    finally:
+        run.config.eval.kv_cache_precision = "compute"
+        run.config.rollout.kv_cache_precision = "compute"
+    assert seen and set(seen) == {"bfloat16"}
+    assert 0.0 <= row["eval/pass@1"] <= 1.0
+
+
+def test_eval_phase_counts_eval_kv_cache_precision():
+    """Catches a planner whose eval phase ignores eval.kv_cache_precision, or reads the
+    rollout's: a bfloat16 eval cache is half the float32 one (rows 32 x k 4, 512 + 6
+    positions), whatever rollout.kv_cache_precision says."""
+    c = quickstart.get_config()
+    c.rollout.kv_cache_precision = "fp8"
+    kv_f32 = 32 * 4 * (512 + 6) * 2 * _L * _N * _K * 4
+    assert memory.plan(c, 1, "h100", ONE).phases["eval"]["kv_cache"] == kv_f32
+    c.eval.kv_cache_precision = "bfloat16"
+    assert memory.plan(c, 1, "h100", ONE).phases["eval"]["kv_cache"] == kv_f32 // 2
 
 
 @pytest.mark.parametrize("value", ["bf16", "float64", ""])

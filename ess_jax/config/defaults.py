@@ -182,4 +182,8 @@ def base_config() -> ml_collections.ConfigDict:
     # model.lora the merge writes it straight in: no float32 merged copy), and the eval numbers
     # then include the format's rounding (docs/configs.md; docs/memory.md: 8B LoRA on one GPU)
     c.eval.precision = "float32"
+    # eval's KV cache (rollout.kv_cache_precision's values): "compute" keeps keys and values in
+    # eval.precision's compute dtype; bfloat16 / fp8 shrink the cache of long evals, and the
+    # eval numbers then include its rounding
+    c.eval.kv_cache_precision = "compute"
     return c

@@ -181,6 +181,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.external_precision": PRECISIONS,
     "rollout.kv_cache_precision": KV_CACHE_PRECISIONS,
     "eval.precision": PRECISIONS,
+    "eval.kv_cache_precision": KV_CACHE_PRECISIONS,
     "train.mode": TRAIN_MODES,
     "model.lora.base_precision": LORA_BASE_PRECISIONS,
 }

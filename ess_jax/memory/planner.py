@@ -215,11 +215,11 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
             mcfg, amesh, merged, precision, prompts, n, prompt_len, r.max_new_tokens, kv
         )
     e = config.eval
-    if e.every:  # rl/heldout.py: the policy in eval.precision, its KV cache in that compute dtype
+    if e.every:  # rl/heldout.py: the policy in eval.precision, its KV cache in eval's own
         precision = e.get("precision", "float32")
         phases["eval"] = sampler_phase(
             policy_cfg, amesh, bool(rank), precision, e.batch_size, e.k, prompt_len,
-            e.max_new_tokens, "compute",
+            e.max_new_tokens, e.get("kv_cache_precision", "compute"),
         )  # fmt: skip
     if r.lag:
         phases["history push"] = {"new version": trained}

@@ -36,11 +36,13 @@ def evaluate(
     Every example is scored with `ecfg.k` samples at `ecfg.temperature`; pass@1 is the mean
     success over all samples, pass@k the unbiased estimator with n = k. The sampler runs in
     `ecfg.precision` (rollout.precision's formats): a `policy` not `prepared` is prepared by
-    the sampler, a prepared one (lora_policy.source) must be in that format. Batches have a fixed
+    the sampler, a prepared one (lora_policy.source) must be in that format; its KV cache in
+    `ecfg.kv_cache_precision` (rollout.kv_cache_precision's values). Batches have a fixed
     shape: the last one is topped up with repeats of the first examples, whose samples are
     dropped unscored, so every example counts once whatever num_examples % batch_size is.
     """
     precision = str(ecfg.get("precision", "float32"))
+    kv_cache = str(ecfg.get("kv_cache_precision", "compute"))
     policy.check_format(precision, "eval: ")
     n_ex = min(len(examples), int(ecfg.num_examples)) if ecfg.num_examples else len(examples)
     if n_ex == 0:
@@ -70,6 +72,7 @@ def evaluate(
             sampling,
             jax.random.fold_in(rng, i),
             precision=precision,
+            kv_cache=kv_cache,
             prepared=policy.prepared is not None,
         )
         mask = sharding_lib.to_host(out.response_mask)[:rows]
