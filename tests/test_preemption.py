@@ -13,6 +13,7 @@ import sys
 import time
 
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 import pytest
 
 from ess_jax.io.checkpoint import Checkpointer
@@ -121,19 +122,21 @@ def _small(s):
     return {"w": jnp.full((4, 2), float(s)), "step": jnp.int32(s)}
 
 
-def test_sigterm_is_held_through_a_checkpoint_save_and_raised_at_the_step_end(tmp_path):
+def test_sigterm_is_held_through_a_checkpoint_save_and_raised_at_the_step_end(
+    tmp_path, monkeypatch
+):
     """Catches a SIGTERM that stops a checkpoint save halfway (the step never commits; here the
-    signal lands as the save starts): outside `interruptible()` it must be held, the save
+    signal lands as orbax's save starts): outside `interruptible()` it must be held, the save
     complete, and `check()` raise Preempted; inside `interruptible()` it raises at once; the
     previous handler is back afterwards."""
     ckpt = Checkpointer(str(tmp_path), keep=None)
-    real_save = ckpt._mngr.save
+    real_save = ocp.CheckpointManager.save
 
     def save_hit_by_sigterm(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return real_save(*args, **kwargs)
 
-    ckpt._mngr.save = save_hit_by_sigterm
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save_hit_by_sigterm)
     before = signal.getsignal(signal.SIGTERM)
     with preemption.on_sigterm():
         try:  # a KeyboardInterrupt escaping a test would stop the whole session
