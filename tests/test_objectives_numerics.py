@@ -390,6 +390,8 @@ def test_rl_step_shuffles_by_seed_and_update_count(monkeypatch, scope, m, shuffl
     permutation ignores the update count (the same rows share a micro-batch at every update) or
     the run's seed, a shuffle in the "step" scope or at one micro-batch, and a row-block count
     other than the mesh's data-parallel size."""
+    from conftest import tiny_model_cfg
+
     from ess_jax.parallel import sharding
     from ess_jax.rl import steps
 
@@ -410,7 +412,7 @@ def test_rl_step_shuffles_by_seed_and_update_count(monkeypatch, scope, m, shuffl
     cfg = O.ObjectiveConfig(ess_scope=scope)
     keys = {}
     for seed in (0, 5):
-        step = steps.make_rl_step(None, tx, cfg, m, 1, state_sh, bsh, seed=seed)
+        step = steps.make_rl_step(tiny_model_cfg(), tx, cfg, m, 1, state_sh, bsh, seed=seed)
         for n in (0, 3):
             s = jax.tree.map(jnp.copy, state)  # the step donates its state
             s = s.replace(step=jax.device_put(jnp.int32(n), rep))
