@@ -39,9 +39,18 @@ TRAIN_CASES = [  # devices, rows (global), prompt width, response tokens, logits
     dict(
         devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="float32", lora=8, base="int4"
     ),
-    # model.lora.dropout: its masks and dropped inputs, kept for the backward
+    # model.lora.dropout: its masks and dropped inputs, kept for the backward (its coefficient
+    # is fitted on all seven targets; this case has three)
     dict(
-        devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="bfloat16", lora=8, dropout=0.1
+        devices=8,
+        rows=16,
+        prompt=32,
+        response=224,
+        chunk=48,
+        dtype="float32",
+        lora=8,
+        dropout=0.1,
+        targets=("q", "v", "down"),
     ),
 ]
 SAMPLE_CASES = [  # devices, prompts, samples per prompt, bucketed prompt width, new tokens
@@ -78,11 +87,13 @@ def _train_case(case):
     from ess_jax.rl.optim import make_optimizer
     from ess_jax.sampling import rescore
 
-    model_cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
+    model_cfg = model.ModelConfig(
+        **MODEL, dtype=case["dtype"], logits_chunk=case["chunk"], remat=case.get("remat", False)
+    )
     if case.get("lora"):
         base = case.get("base", "compute")
-        dropout = case.get("dropout", 0.0)
-        model_cfg = lora.with_lora(model_cfg, case["lora"], 16.0, lora.TARGETS, base, dropout)
+        dropout, targets = case.get("dropout", 0.0), case.get("targets", lora.TARGETS)
+        model_cfg = lora.with_lora(model_cfg, case["lora"], 16.0, targets, base, dropout)
     mesh = sharding.make_mesh({"fsdp": case["devices"]}, jax.devices()[: case["devices"]])
     tx = make_optimizer(OPTIM)
     with_sh = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
