@@ -56,7 +56,7 @@ def _jit0(fn):
 
 
 def _row_keys(n: int, step: int = 0):
-    return jax.random.wrap_key_data(lora.dropout_keys(0, jnp.int32(step), n))
+    return lora.wrap_keys(lora.dropout_keys(0, jnp.int32(step), n))
 
 
 def test_one_projection_matches_float64_with_the_drawn_mask(tiny):
@@ -183,9 +183,77 @@ def test_step_loss_and_grad_do_not_depend_on_the_micro_batch_split(tiny):
     assert jax.tree.structure(g1) == jax.tree.structure(adapters)  # adapters only
 
 
+def test_a_rows_mask_is_its_keys_alone_whatever_the_batch_mesh_or_default_prng(tiny):
+    """Catches masks that depend on the batch a row is in (under jax_default_prng_impl "rbg"
+    a vmap over keys ignores them: rows 2-3 alone got other masks than inside the batch) or on
+    the mesh: rows 2-3 drawn alone, inside 8 rows, and inside 8 rows sharded over 8 devices,
+    with the default impl set to rbg, give the same dropped input."""
+    x = jax.random.normal(jax.random.key(8), (8, 5, 16), jnp.float32)
+    before = jax.config.jax_default_prng_impl
+    jax.config.update("jax_default_prng_impl", "rbg")
+    try:
+        keys = lora.dropout_keys(0, jnp.int32(2), 8)
+        whole = lora.dropout(x, P, lora.wrap_keys(keys), 3)
+        alone = lora.dropout(x[2:4], P, lora.wrap_keys(keys[2:4]), 3)
+        rows = jax.sharding.NamedSharding(
+            jax.make_mesh((8,), ("d",)), jax.sharding.PartitionSpec("d")
+        )
+        sharded = jax.jit(lambda x, k: lora.dropout(x, P, lora.wrap_keys(k), 3))(
+            jax.device_put(x, rows), jax.device_put(keys, rows)
+        )
+    finally:
+        jax.config.update("jax_default_prng_impl", before)
+    np.testing.assert_array_equal(alone, whole[2:4])
+    np.testing.assert_array_equal(sharded, whole)
+    assert 0 < float(jnp.mean(whole == 0)) < 1
+
+
+def test_score_fn_vcpo_pass_and_sft_step_use_the_right_masks(tiny):
+    """Catches dropout in the proximal / reference scoring (`steps.score_fn` must ignore keys a
+    batch carries), vcpo's per-row pass scoring rows without their keys (its w_i and baseline
+    would then be dropout-free while the loss is not), and an SFT step without dropout or with
+    the RL phase's keys: score_fn equals the plain forward; seq_grad_sq's log-probs equal the
+    keyed logp_fn's; the SFT step's loss equals a float32 cross-entropy with SFT-phase keys."""
+    from ess_jax.objectives import vcpo
+
+    cfg, base, adapters, tokens = tiny
+    params, b, prompt = lora.join(base, adapters), tokens.shape[0], 4
+    keys = lora.dropout_keys(0, jnp.int32(0), b)
+    mask = jnp.ones(tokens.shape, bool)
+    batch = {"tokens": tokens, "attn_mask": mask, lora.DROPOUT_KEYS: keys}
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    scored = steps.score_fn(cfg, prompt, mesh, 1)(params, batch)
+    logp_fn = steps.logp_fn_for(cfg, prompt)
+    plain = logp_fn(params, {"tokens": tokens, "attn_mask": mask})
+    np.testing.assert_allclose(scored, plain, rtol=1e-5, atol=1e-5)
+    rows = {**batch, "mask": jnp.ones((b, tokens.shape[1] - prompt), bool)}
+    _, logp = _jit0(lambda p, r: vcpo.seq_grad_sq(logp_fn, p, r, 2))(params, rows)
+    np.testing.assert_allclose(logp, logp_fn(params, rows), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(logp - plain).max()) > 1e-3
+
+    tx = make_optimizer({**tiny_config().optim.to_dict(), "total_steps": 2})
+    rep = sharding.replicated(mesh)
+    state, state_sh = steps.init_state(
+        jax.device_put(adapters, rep), tx, mesh, jax.device_put(base, rep)
+    )
+    sft_batch = {"tokens": tokens, "loss_mask": jnp.ones(tokens.shape, bool)}
+    step = steps.make_sft_step(cfg, tx, state_sh, sharding.batch_sharding(mesh), seed=4)
+    step = step.lower(state, sft_batch).compile({"xla_backend_optimization_level": 0})
+
+    def ce(phase):
+        k = lora.dropout_keys(4, jnp.int32(0), b, phase)
+        # the loss mask is all ones, position 0 (no context) included with log-prob 0
+        return -float(jnp.mean(scoring.token_logprobs(cfg, params, tokens, dropout_keys=k)))
+
+    got = float(step(state, sft_batch)[1]["loss"])
+    assert got == pytest.approx(ce(lora.SFT_DROPOUT), rel=1e-5)
+    assert abs(got - ce(lora.RL_DROPOUT)) > 1e-4
+
+
 def test_config_reaches_the_model_config_and_the_peft_export(tiny):
     """Catches model.lora.dropout refused or dropped on its way to ModelConfig, an export that
-    writes lora_dropout 0 whatever the config, and rates outside [0, 1) accepted."""
+    writes lora_dropout 0 whatever the config, rates outside [0, 1) accepted, and dropout
+    without adapters (rank 0) accepted silently."""
     config = tiny_config(**{"model.lora.rank": RANK, "model.lora.dropout": 0.1})
     schema.check(config)
     cfg = lora_policy.lora_config(config.model, tiny_model_cfg())
@@ -203,6 +271,8 @@ def test_config_reaches_the_model_config_and_the_peft_export(tiny):
         tiny_model_cfg(lora_dropout=0.1)
     with pytest.raises(ValueError, match="model.lora.dropout"):
         schema.check(tiny_config(**{"model.lora.rank": RANK, "model.lora.dropout": 1.0}))
+    with pytest.raises(ValueError, match="model.lora.dropout: 0.1 .*needs rank > 0"):
+        schema.check(tiny_config(**{"model.lora.dropout": 0.1}))
 
 
 def test_the_rl_step_drops_the_policy_forward_only(tiny):

@@ -234,6 +234,8 @@ def _check_lora(get) -> None:
                 "model.lora.base_precision",
                 f"{v[0]!r} quantizes LoRA's frozen base: needs rank > 0",
             )
+    if (v := get("model.lora.dropout", "model.lora.rank")) and v[0] and not v[1]:
+        fail("model.lora.dropout", f"{v[0]} drops the adapters' inputs: needs rank > 0")
 
 
 def check_names(config, paths: Iterable[str], what: str) -> None:

@@ -219,11 +219,10 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
         terms["activations"] = n_layers * r * t * d * b + per_layer
     else:
         terms["activations"] = n_layers * per_layer
-    if cfg.lora_rank and cfg.lora_dropout:  # one layer's with remat: it is recomputed
+    if cfg.lora_rank and cfg.lora_dropout:  # every layer's, remat or not (docs/memory.md)
         width = {"o": h * cfg.head_dim, "down": f}  # the others read the [r, T, D] stream
         inputs = sum(width.get(n, d) for n in lora.targets_of(cfg, lora.TARGETS))
-        n_kept = 1 if cfg.remat else n_layers
-        terms["LoRA dropout"] = k["lora_dropout"] * n_kept * r * t * inputs
+        terms["LoRA dropout"] = k["lora_dropout"] * n_layers * r * t * inputs
     if c:
         terms["attention"] = k["attn_chunk_tmp"] * r * h * c * t * 4
     else:

@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ess_jax.config.domains import LORA_TARGETS
@@ -52,10 +53,14 @@ from ess_jax.model.layers import dense
 TARGETS = LORA_TARGETS  # q, k, v, o, gate, up, down
 ATTENTION_TARGETS, MLP_TARGETS = TARGETS[:4], TARGETS[4:]
 RANK_AXIS = "lora_rank"  # a logical axis no sharding rule names: replicated
-# The batch entry of the per-row dropout keys: each row's PRNG key data, [B, key words]
+# The batch entry of the per-row dropout keys: each row's threefry key data, [B, 2] uint32
 DROPOUT_KEYS = "lora_dropout_keys"
-_DROPOUT_STREAM = 0x10A  # folded into the run's seed: a stream of its own (rows are shuffled
-# from the same seed and update count, rl/steps.py)
+# Threefry whatever jax_default_prng_impl says: under "rbg" a vmap over per-row keys draws
+# bits that depend on the batch the row is in, not on its key alone
+KEY_IMPL = "threefry2x32"
+# Phases (RL, SFT), folded in after the update count: a tag >= 2**31 is never one of the
+# shuffle's block keys (split children 0 .. blocks - 1 of the same seed and update count)
+RL_DROPOUT, SFT_DROPOUT = 0x8000010A, 0x8000010B
 
 
 def weight_axes(cfg) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple, tuple]]:
@@ -123,11 +128,19 @@ def project(
 # ----------------------------------------------------------------------------- dropout
 
 
-def dropout_keys(seed: int, step: jax.Array, batch_size: int) -> jax.Array:
-    """[B, key words] uint32: the data of each row's dropout key for optimizer update `step`
-    (a function of the run's seed and the update count: a rerun or a resume draws the same)."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _DROPOUT_STREAM), step)
+def dropout_keys(seed: int, step: jax.Array, batch_size: int, phase: int = RL_DROPOUT):
+    """[B, 2] uint32: the threefry key data of each row's dropout key for optimizer update
+    `step` of `phase` (RL_DROPOUT, SFT_DROPOUT): a function of the run's seed, the phase and the
+    update count, so a rerun or a resume draws the same (a skipped, non-finite update leaves
+    the count, and the next update redraws its keys)."""
+    key = jax.random.fold_in(jax.random.key(seed, impl=KEY_IMPL), step)
+    key = jax.random.fold_in(key, np.uint32(phase))
     return jax.random.key_data(jax.random.split(key, batch_size))
+
+
+def wrap_keys(key_data: jax.Array | None) -> jax.Array | None:
+    """Typed keys of `dropout_keys`' data (threefry, as drawn); None stays None."""
+    return None if key_data is None else jax.random.wrap_key_data(key_data, impl=KEY_IMPL)
 
 
 def fold_rows(keys: jax.Array | None, i: int) -> jax.Array | None:
@@ -143,7 +156,8 @@ def dropout(x: jax.Array, rate: float, keys: jax.Array | None, i: int) -> jax.Ar
         return x
     keep = 1.0 - rate
     mask = jax.vmap(lambda k: jax.random.bernoulli(k, keep, x.shape[1:]))(fold_rows(keys, i))
-    return jnp.where(mask, x / jnp.asarray(keep, x.dtype), jnp.zeros((), x.dtype))
+    scaled = (x.astype(jnp.float32) / keep).astype(x.dtype)  # 1 / keep not rounded to bf16
+    return jnp.where(mask, scaled, jnp.zeros((), x.dtype))
 
 
 # ----------------------------------------------------------------------------- param trees

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
 from ess_jax.objectives.kl import entropy_from_logits
 
 
@@ -54,7 +55,7 @@ def scored_hidden(cfg, params, tokens_BxT, mask_BxT, start: int, dropout_keys=No
     `dropout_keys` ([B, key words] key data, lora.dropout_keys; None: none): LoRA dropout."""
     module = model_lib.bind(cfg, params)
     positions = model_lib.positions_from_mask(mask_BxT)
-    keys = None if dropout_keys is None else jax.random.wrap_key_data(dropout_keys)
+    keys = lora.wrap_keys(dropout_keys)
     x, _ = module.hidden(cfg, tokens_BxT, positions, mask_BxT, lora_keys=keys)
     return module, x[:, start - 1 : -1]
 

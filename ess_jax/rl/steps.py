@@ -91,14 +91,14 @@ def _over_base(logp_fn, frozen):
     return lambda adapters, mb: logp_fn(lora.join(frozen, adapters), mb)
 
 
-def with_dropout_keys(cfg, batch, seed: int, step, batch_sh):
-    """`batch` with each row's LoRA dropout key (lora.DROPOUT_KEYS) for update `step` when
-    cfg.lora_dropout > 0, rows sharded as the batch's; else `batch` itself. The keys travel with
-    their rows through the shuffle and the micro-batch split: a row's masks do not depend on
-    num_microbatches or the ESS scope. `batch_sh` None: no sharding constraint."""
+def with_dropout_keys(cfg, batch, seed: int, step, batch_sh, phase: int = lora.RL_DROPOUT):
+    """`batch` with each row's LoRA dropout key (lora.DROPOUT_KEYS) for update `step` of
+    `phase` when cfg.lora_dropout > 0, rows sharded as the batch's; else `batch` itself. The
+    keys travel with their rows through the shuffle and the micro-batch split: a row's masks do
+    not depend on num_microbatches or the ESS scope. `batch_sh` None: no sharding constraint."""
     if not cfg.lora_dropout:
         return batch
-    keys = lora.dropout_keys(seed, step, batch["tokens"].shape[0])
+    keys = lora.dropout_keys(seed, step, batch["tokens"].shape[0], phase)
     if batch_sh is not None:
         keys = jax.lax.with_sharding_constraint(keys, batch_sh)
     return {**batch, lora.DROPOUT_KEYS: keys}
@@ -109,7 +109,8 @@ def make_sft_step(cfg, tx, state_sh, batch_sh, seed: int = 0):
     adapters' dropout keys come from `seed` and the update count."""
 
     def step(state, batch):
-        keys = with_dropout_keys(cfg, batch, seed, state.step, batch_sh).get(lora.DROPOUT_KEYS)
+        keyed = with_dropout_keys(cfg, batch, seed, state.step, batch_sh, lora.SFT_DROPOUT)
+        keys = keyed.get(lora.DROPOUT_KEYS)
 
         def loss_fn(params):
             logp = scoring.token_logprobs(
