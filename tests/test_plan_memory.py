@@ -23,6 +23,9 @@ TOLERANCE = 0.25
 MODEL = dict(vocab_size=3000, hidden_size=96, intermediate_size=320, num_layers=3, num_heads=6,
              num_kv_heads=2, head_dim=16)  # fmt: skip
 OPTIM = {"lr": 1e-5, "max_grad_norm": 1.0, "schedule": "constant"}
+# model.lora.dropout's cases: three targets (its coefficient is fitted on all seven)
+DROPOUT_CASE = dict(devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="float32", lora=8,
+                    targets=("q", "v", "down"))  # fmt: skip
 TRAIN_CASES = [  # devices, rows (global), prompt width, response tokens, logits_chunk, dtype
     dict(devices=1, rows=2, prompt=32, response=224, chunk=0, dtype="float32"),
     dict(devices=8, rows=16, prompt=32, response=224, chunk=0, dtype="float32"),
@@ -39,19 +42,9 @@ TRAIN_CASES = [  # devices, rows (global), prompt width, response tokens, logits
     dict(
         devices=8, rows=16, prompt=32, response=224, chunk=48, dtype="float32", lora=8, base="int4"
     ),
-    # model.lora.dropout: its masks and dropped inputs, kept for the backward (its coefficient
-    # is fitted on all seven targets; this case has three)
-    dict(
-        devices=8,
-        rows=16,
-        prompt=32,
-        response=224,
-        chunk=48,
-        dtype="float32",
-        lora=8,
-        dropout=0.1,
-        targets=("q", "v", "down"),
-    ),
+    # model.lora.dropout: its masks and dropped inputs, kept for the backward; with and without
+    dict(**DROPOUT_CASE, dropout=0.1),
+    dict(**DROPOUT_CASE, dropout=0.0),
 ]
 SAMPLE_CASES = [  # devices, prompts, samples per prompt, bucketed prompt width, new tokens
     dict(devices=1, prompts=4, samples=3, prompt=128, new=96, chunk=0, precision="float32"),
@@ -87,9 +80,7 @@ def _train_case(case):
     from ess_jax.rl.optim import make_optimizer
     from ess_jax.sampling import rescore
 
-    model_cfg = model.ModelConfig(
-        **MODEL, dtype=case["dtype"], logits_chunk=case["chunk"], remat=case.get("remat", False)
-    )
+    model_cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
     if case.get("lora"):
         base = case.get("base", "compute")
         dropout, targets = case.get("dropout", 0.0), case.get("targets", lora.TARGETS)
@@ -130,6 +121,7 @@ def _train_case(case):
         "xla": xla,
         "estimate": resident + sum(terms.values()),
         "transient": sum(terms.values()),
+        "lora_dropout": terms.get("LoRA dropout", 0.0),
     }
 
 
@@ -301,6 +293,19 @@ def test_estimates_within_25_percent_of_xla(measured):
         assert v["transient"] > 0.3 * v["xla"], (name, v)
     bad = {k: f"{e:+.0%}" for k, e in errors.items() if abs(e) > TOLERANCE}
     assert not bad, (bad, {k: f"{e:+.0%}" for k, e in errors.items()})
+
+
+def test_lora_dropout_term_is_xlas_increase(measured):
+    """Catches a missing or mis-sized LoRA dropout term (the whole step's 25% tolerance cannot:
+    without the term that case is still within it, -9%): the term is XLA's increase from
+    dropout 0 to 0.1 on the same step, within 25% (6.6 MB planned, 6.1 MB by XLA here)."""
+    with_dropout, without = (
+        measured[f"train{TRAIN_CASES.index(dict(**DROPOUT_CASE, dropout=rate))}"]
+        for rate in (0.1, 0.0)
+    )
+    assert without["lora_dropout"] == 0 and with_dropout["lora_dropout"] > 0
+    increase = with_dropout["xla"] - without["xla"]
+    assert abs(with_dropout["lora_dropout"] / increase - 1) < TOLERANCE, (increase, with_dropout)
 
 
 def test_lora_merge_outputs_the_planned_copy_and_no_float32_model(measured):

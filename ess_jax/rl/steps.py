@@ -109,13 +109,12 @@ def make_sft_step(cfg, tx, state_sh, batch_sh, seed: int = 0):
     adapters' dropout keys come from `seed` and the update count."""
 
     def step(state, batch):
-        keyed = with_dropout_keys(cfg, batch, seed, state.step, batch_sh, lora.SFT_DROPOUT)
-        keys = keyed.get(lora.DROPOUT_KEYS)
+        batch = with_dropout_keys(cfg, batch, seed, state.step, batch_sh, lora.SFT_DROPOUT)
 
         def loss_fn(params):
-            logp = scoring.token_logprobs(
-                cfg, lora.join(state.frozen, params), batch["tokens"], dropout_keys=keys
-            )
+            params = lora.join(state.frozen, params)
+            keys = batch.get(lora.DROPOUT_KEYS)
+            logp = scoring.token_logprobs(cfg, params, batch["tokens"], dropout_keys=keys)
             m = batch["loss_mask"].astype(jnp.float32)
             return -jnp.sum(logp * m) / jnp.maximum(m.sum(), 1.0)
 

@@ -115,12 +115,11 @@ def logp_fn_for(
     def logp_fn(params, mb):
         tokens, mask = mb["tokens"], mb["attn_mask"].astype(bool)
 
-        def response_hidden(c, p):  # the hidden states that predict the response tokens
-            return scored_hidden(c, p, tokens, mask, prompt_len)
+        def response_hidden(c, p, keys=None):  # the hidden states that predict the responses
+            return scored_hidden(c, p, tokens, mask, prompt_len, keys)
 
         # the policy with its LoRA dropout (keys in mb: the trainer's step), pi_b without
-        keys = mb.get(lora.DROPOUT_KEYS)
-        policy, x = scored_hidden(cfg, params, tokens, mask, prompt_len, keys)
+        policy, x = response_hidden(cfg, params, mb.get(lora.DROPOUT_KEYS))
         behaviours = [response_hidden(c, p) for c, p in sources]
         external_rows = mb["policy_version"].reshape(-1) < 0 if len(sources) > 1 else None
 
