@@ -1,6 +1,6 @@
 """Quickstart: P3O on 2-digit addition with an embedded char-level model, CPU, no downloads.
 
-    python -m ess_jax.main --config=configs/quickstart.py --workdir=runs/quickstart
+    .venv/bin/python -m ess_jax.main --config=configs/quickstart.py --workdir=runs/quickstart
 
 A tiny Llama-style decoder is trained from scratch: a short SFT warm start on demonstrations,
 then RL with the P3O objective. Eval rows (held-out pass@1 at temperature 1) are written at RL

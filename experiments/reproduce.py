@@ -1,8 +1,8 @@
 """Runs the CPU-scale ablations (configs/mini/): experiments x arms x seeds, resumable.
 
-    python experiments/reproduce.py --seeds 0 1 2 --jobs 2            # every experiment
-    python experiments/reproduce.py --experiments e1_clip_sweep --arms p3o --seeds 0
-    python experiments/reproduce.py --list                            # what would run
+    .venv/bin/python experiments/reproduce.py --seeds 0 1 2 --jobs 2            # every experiment
+    .venv/bin/python experiments/reproduce.py --experiments e1_clip_sweep --arms p3o --seeds 0
+    .venv/bin/python experiments/reproduce.py --list                            # what would run
 
 Each seed's SFT warm start (configs/mini/warm_start.py, and its external model for E7) runs
 once and is shared by every arm of that seed. Every run is its own `python -m ess_jax.main`
@@ -315,7 +315,7 @@ def main() -> None:
     if failed:
         names = ", ".join(j.name for j in failed)
         raise SystemExit(f"{len(failed)} runs failed: {names}; logs in {log_dir}")
-    print(f"done; tables: python experiments/analyze.py {os.path.relpath(results, ROOT)}")
+    print(f"done; tables: .venv/bin/python experiments/analyze.py {os.path.relpath(results, ROOT)}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The stability map's report: which objective holds under which source of off-policyness.
 
-    python experiments/stability_map.py results     # this report only
-    python experiments/analyze.py results           # every table, this report among them
+    .venv/bin/python experiments/stability_map.py results     # this report only
+    .venv/bin/python experiments/analyze.py results           # every table, this report among them
 
 Reads <results>/stability_map/<condition>_<objective>/<seed>/metrics.jsonl (the arms of
 configs/mini/stability_map.py) and writes, byte for byte the same each time:

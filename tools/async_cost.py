@@ -1,9 +1,10 @@
 """The async actor-learner's cost model against a measurement (ess_jax/rl/async_cost.py).
 
-    python tools/async_cost.py                                  # 8 fake CPU devices, 4 + 4
-    python tools/async_cost.py --devices=16 --rollout_devices=8 --max_lag=2 --steps=16
-    python tools/async_cost.py --config=configs/quickstart.py --set data.prompts_per_step=64
-    taskset -c 0 python tools/async_cost.py     # the whole process on one core
+    .venv/bin/python tools/async_cost.py                          # 8 fake CPU devices, 4 + 4
+    .venv/bin/python tools/async_cost.py --devices=16 --rollout_devices=8 --max_lag=2 --steps=16
+    .venv/bin/python tools/async_cost.py --config=configs/quickstart.py \
+        --set data.prompts_per_step=64
+    taskset -c 0 .venv/bin/python tools/async_cost.py             # the whole process on one core
 
 Three runs of the same config, each in a temporary workdir, timed per step after --warmup
 steps (compiles):

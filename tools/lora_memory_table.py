@@ -2,8 +2,8 @@
 arm (configs/paper/e3_temperature_1p2.py:p3o) set for a small slice, with full fine-tuning,
 LoRA and QLoRA (int8 / int4 base) on v5e-8, v4-8 and one 80 GB GPU.
 
-    python tools/lora_memory_table.py                       # print both tables
-    python tools/lora_memory_table.py --write=docs/memory.md
+    .venv/bin/python tools/lora_memory_table.py                       # print both tables
+    .venv/bin/python tools/lora_memory_table.py --write=docs/memory.md
 
 The small-slice settings: one sequence per device per micro-batch, rollout.sample_microbatches
 64, eval.batch_size 2, rank 16, alpha 32. The second table is the rows whose adapter cells

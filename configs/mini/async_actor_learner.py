@@ -10,7 +10,7 @@ lag_max, lag_budget) and queue depth per step. Two CPU devices per run, one core
 
     XLA_FLAGS="--xla_force_host_platform_device_count=2 --xla_cpu_multi_thread_eigen=false \
         intra_op_parallelism_threads=1" \
-    python -m ess_jax.main --config=configs/mini/async_actor_learner.py:p3o_paced \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/async_actor_learner.py:p3o_paced \
         --config.seed=0 --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/async_actor_learner/p3o_paced/0
 

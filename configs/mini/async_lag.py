@@ -1,11 +1,11 @@
 """Async staleness at CPU scale (not in the paper): rollouts from the policy k updates old
 (k = 0 / 1 / 2 / 4 / 8), GRPO clip 0.2 vs P3O and GRPO with truncated IS.
 
-    python experiments/reproduce.py --experiments async_lag --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments async_lag --seeds 0 1 2 --jobs 2
 
 runs every arm and seed (warm starts included); one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/async_lag.py:lag4_p3o --config.seed=0 \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/async_lag.py:lag4_p3o --config.seed=0 \
         --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/async_lag/lag4_p3o/0
 """

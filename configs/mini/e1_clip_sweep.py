@@ -1,11 +1,11 @@
 """E1 at CPU scale: GRPO clip 0.2 / 0.4 / 0.6, DAPO, CISPO, GSPO, P3O and P3O dual, all with
 the bfloat16 sampler (the natural train/inference mismatch; the trainer is float32).
 
-    python experiments/reproduce.py --experiments e1_clip_sweep --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments e1_clip_sweep --seeds 0 1 2 --jobs 2
 
 runs every arm and seed (warm starts included); one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/e1_clip_sweep.py:p3o --config.seed=0 \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/e1_clip_sweep.py:p3o --config.seed=0 \
         --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/e1_clip_sweep/p3o/0
 """

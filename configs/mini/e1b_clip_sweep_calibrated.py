@@ -3,12 +3,13 @@
 come closest to SmolLM2-135M's fp8 sampler (docs/mismatch.md: exact KL 3.7e-2, 18.5% of ratios
 outside [0.8, 1.2], where plain fp8 gives 1.1e-3 and 0.7% on this model).
 
-    python experiments/reproduce.py --experiments e1b_clip_sweep_calibrated --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments e1b_clip_sweep_calibrated \
+        --seeds 0 1 2 --jobs 2
 
 one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/e1b_clip_sweep_calibrated.py:p3o --config.seed=0 \
-        --config.model.source=runs/mini/warm/policy/seed0/hf \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/e1b_clip_sweep_calibrated.py:p3o \
+        --config.seed=0 --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/e1b_clip_sweep_calibrated/p3o/0
 """
 

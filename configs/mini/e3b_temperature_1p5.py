@@ -1,12 +1,13 @@
 """E3b at CPU scale (not in the paper): rollouts at temperature 1.5, a stronger dial than E3,
 the same arms as E3.
 
-    python experiments/reproduce.py --experiments e3b_temperature_1p5 --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments e3b_temperature_1p5 \
+        --seeds 0 1 2 --jobs 2
 
 runs every arm and seed (warm starts included); one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/e3b_temperature_1p5.py:p3o --config.seed=0 \
-        --config.model.source=runs/mini/warm/policy/seed0/hf \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/e3b_temperature_1p5.py:p3o \
+        --config.seed=0 --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/e3b_temperature_1p5/p3o/0
 """
 

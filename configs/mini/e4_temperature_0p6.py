@@ -1,11 +1,12 @@
 """E4 at CPU scale: rollouts at temperature 0.6, the same arms as E3.
 
-    python experiments/reproduce.py --experiments e4_temperature_0p6 --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments e4_temperature_0p6 \
+        --seeds 0 1 2 --jobs 2
 
 runs every arm and seed (warm starts included); one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/e4_temperature_0p6.py:p3o --config.seed=0 \
-        --config.model.source=runs/mini/warm/policy/seed0/hf \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/e4_temperature_0p6.py:p3o \
+        --config.seed=0 --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/e4_temperature_0p6/p3o/0
 """
 

@@ -4,12 +4,12 @@ KV cache) instead of fp8 weights, whose mismatch on this model is ~35x smaller i
 SmolLM2-135M (docs/mismatch.md). Its grpo_eps0.2 and p3o runs equal
 e1b_clip_sweep_calibrated's (analyze.py counts them once).
 
-    python experiments/reproduce.py --experiments e5_calibrated --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments e5_calibrated --seeds 0 1 2 --jobs 2
 
 one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/e5_calibrated.py:p3o_cap_only --config.seed=0 \
-        --config.model.source=runs/mini/warm/policy/seed0/hf \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/e5_calibrated.py:p3o_cap_only \
+        --config.seed=0 --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/e5_calibrated/p3o_cap_only/0
 """
 

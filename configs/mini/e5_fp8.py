@@ -1,11 +1,11 @@
 """E5 at CPU scale: fp8 sampler (float8_e4m3fn weights, per-channel scales), float32 trainer;
 GRPO clip 0.2 vs P3O, P3O taken apart, GRPO with truncated IS.
 
-    python experiments/reproduce.py --experiments e5_fp8 --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments e5_fp8 --seeds 0 1 2 --jobs 2
 
 runs every arm and seed (warm starts included); one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/e5_fp8.py:p3o --config.seed=0 \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/e5_fp8.py:p3o --config.seed=0 \
         --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/e5_fp8/p3o/0
 """

@@ -2,11 +2,11 @@
 warm_start.py:external, another init trained on clean demonstrations) whose own log-probs are
 pi_b; GRPO clip 0.2 vs P3O and GRPO with truncated IS.
 
-    python experiments/reproduce.py --experiments e7_external --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments e7_external --seeds 0 1 2 --jobs 2
 
 runs every arm and seed (warm starts included); one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/e7_external.py:p3o --config.seed=0 \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/e7_external.py:p3o --config.seed=0 \
         --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/e7_external/p3o/0
 

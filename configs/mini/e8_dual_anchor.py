@@ -1,12 +1,12 @@
 """E8 at CPU scale: the dual anchor (two_kl and mixture) vs P3O with 4 optimizer updates per
 rollout batch (of 32 sequences each), at temperature 1 and 1.2.
 
-    python experiments/reproduce.py --experiments e8_dual_anchor --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments e8_dual_anchor --seeds 0 1 2 --jobs 2
 
 runs every arm and seed (warm starts included); one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/e8_dual_anchor.py:t1.2_p3o --config.seed=0 \
-        --config.model.source=runs/mini/warm/policy/seed0/hf \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/e8_dual_anchor.py:t1.2_p3o \
+        --config.seed=0 --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/e8_dual_anchor/t1.2_p3o/0
 """
 

@@ -7,12 +7,12 @@ KL(pi_b || pi)), with k3_is (unbiased for KL(pi || pi_b) in value and gradient),
 comparisons are paired by seed within this experiment; same testbed and hyper-parameters as
 every other configs/mini experiment.
 
-    python experiments/reproduce.py --experiments kl_estimators --seeds 0 1 2 --jobs 2
+    .venv/bin/python experiments/reproduce.py --experiments kl_estimators --seeds 0 1 2 --jobs 2
 
 one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/kl_estimators.py:t1.5_p3o_k3_is --config.seed=0 \
-        --config.model.source=runs/mini/warm/policy/seed0/hf \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/kl_estimators.py:t1.5_p3o_k3_is \
+        --config.seed=0 --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/kl_estimators/t1.5_p3o_k3_is/0
 """
 

@@ -14,13 +14,13 @@ Objectives (arm suffix, common.OBJECTIVES): GRPO clip 0.2, GRPO + truncated IS, 
 has it (k3), P3O cap-only, P3O with each other trust-region estimator (k3_is, forward, full),
 M2PO, VCPO.
 
-    python experiments/reproduce.py --experiments stability_map --seeds 0 1 2 3 4 --jobs 2
-    python experiments/analyze.py results          # tables; the heat-map is written beside them
+    .venv/bin/python experiments/reproduce.py --experiments stability_map --seeds 0 1 2 3 4 --jobs 2
+    .venv/bin/python experiments/analyze.py results  # tables; the heat-map is written beside them
 
 one arm by hand, after its seed's warm start:
 
-    python -m ess_jax.main --config=configs/mini/stability_map.py:t1.5_p3o_k3_is --config.seed=0 \
-        --config.model.source=runs/mini/warm/policy/seed0/hf \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/stability_map.py:t1.5_p3o_k3_is \
+        --config.seed=0 --config.model.source=runs/mini/warm/policy/seed0/hf \
         --workdir=runs/mini/stability_map/t1.5_p3o_k3_is/0
 
 (ext50 arms also take --config.rollout.external_checkpoint=runs/mini/warm/external/seed0/hf.)

@@ -1,6 +1,6 @@
 """SFT warm start of the CPU-scale ablations: one per seed, shared by every arm of that seed.
 
-    python -m ess_jax.main --config=configs/mini/warm_start.py:policy --config.seed=0 \
+    .venv/bin/python -m ess_jax.main --config=configs/mini/warm_start.py:policy --config.seed=0 \
         --workdir=runs/mini/warm/policy/seed0
 
 `:policy` is the noisy-teacher SFT every RL arm starts from (model.source=<workdir>/hf).

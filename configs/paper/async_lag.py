@@ -2,7 +2,7 @@
 policy k = 1 / 2 / 4 updates old (an actor-learner pipeline), Qwen3-4B on DeepScaleR; GRPO eps
 0.2 vs P3O and GRPO with truncated IS.
 
-    python -m ess_jax.main --config=configs/paper/async_lag.py:lag2_p3o \
+    .venv/bin/python -m ess_jax.main --config=configs/paper/async_lag.py:lag2_p3o \
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/async/lag2_p3o
 

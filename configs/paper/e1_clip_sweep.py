@@ -2,7 +2,7 @@
 Qwen3-4B on DeepScaleR, bfloat16 sampler and bfloat16 training compute (rho != 1 from that
 mismatch only).
 
-    python -m ess_jax.main --config=configs/paper/e1_clip_sweep.py:grpo_eps0.2 \
+    .venv/bin/python -m ess_jax.main --config=configs/paper/e1_clip_sweep.py:grpo_eps0.2 \
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/e1/grpo_eps0.2
 

@@ -1,6 +1,6 @@
 """E2 (docs/method.md): E1's clip sweep on Qwen2.5-1.5B, DeepScaleR, bf16 sampler and training.
 
-    python -m ess_jax.main --config=configs/paper/e2_qwen25_1p5b.py:p3o \
+    .venv/bin/python -m ess_jax.main --config=configs/paper/e2_qwen25_1p5b.py:p3o \
         --config.model.source=/path/to/Qwen2.5-1.5B \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/e2/p3o
 

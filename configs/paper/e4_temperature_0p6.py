@@ -1,7 +1,7 @@
 """E4 (docs/method.md): rollouts at T=0.6, the trainer scores at T=1, Qwen3-4B on DeepScaleR;
 GRPO eps 0.2 vs P3O, plus the P3O ablations and GRPO with truncated IS.
 
-    python -m ess_jax.main --config=configs/paper/e4_temperature_0p6.py:p3o \
+    .venv/bin/python -m ess_jax.main --config=configs/paper/e4_temperature_0p6.py:p3o \
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/e4/p3o
 

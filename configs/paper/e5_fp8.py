@@ -1,7 +1,7 @@
 """E5 (docs/method.md): FP8 rollouts (float8_e4m3fn weights, per-channel scales), BF16 training, 16K
 new tokens, Qwen3-4B on DeepScaleR; GRPO eps 0.2 vs P3O, plus the P3O ablations and TIS.
 
-    python -m ess_jax.main --config=configs/paper/e5_fp8.py:p3o \
+    .venv/bin/python -m ess_jax.main --config=configs/paper/e5_fp8.py:p3o \
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/e5/p3o
 

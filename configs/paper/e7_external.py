@@ -2,7 +2,7 @@
 model (Qwen3-8B) whose own log-probs are pi_b; Qwen3-4B on DeepScaleR; GRPO eps 0.2 vs P3O and
 GRPO with truncated IS.
 
-    python -m ess_jax.main --config=configs/paper/e7_external.py:p3o \
+    .venv/bin/python -m ess_jax.main --config=configs/paper/e7_external.py:p3o \
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
         --config.rollout.external_checkpoint=/path/to/Qwen3-8B \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/e7/p3o

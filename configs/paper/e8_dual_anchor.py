@@ -2,7 +2,8 @@
 Qwen3-4B on DeepScaleR, 4 optimizer updates per rollout batch (the anchor is the policy
 before the first of them; with one update it equals P3O).
 
-    python -m ess_jax.main --config=configs/paper/e8_dual_anchor.py:t1.0_p3o_dual_mixture \
+    .venv/bin/python -m ess_jax.main \
+        --config=configs/paper/e8_dual_anchor.py:t1.0_p3o_dual_mixture \
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
         --config.task.manual_dir=/path/to/deepscaler \
         --workdir=runs/paper/e8/t1.0_p3o_dual_mixture

@@ -3,7 +3,7 @@ docs/method.md): each batch of 256 x 4 rollouts is cut into 4 updates of 256 seq
 updates are off-policy by staleness as well as by train/inference mismatch; Qwen3-4B on
 DeepScaleR, T=1.
 
-    python -m ess_jax.main --config=configs/paper/multi_update.py:p3o \
+    .venv/bin/python -m ess_jax.main --config=configs/paper/multi_update.py:p3o \
         --config.model.source=/path/to/Qwen3-4B-Thinking-2507 \
         --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/multi_update/p3o
 
