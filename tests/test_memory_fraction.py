@@ -59,3 +59,84 @@ def test_planner_uses_the_same_share():
     environ = {}
     presets.set_memory_fraction(environ)
     assert environ == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
+
+
+OLD, NEW = "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION"
+
+
+@pytest.mark.parametrize("text", ["abc", "1.5", "0", "-0.5", "nan", "inf"])
+@pytest.mark.parametrize("name", [OLD, NEW])
+def test_a_fraction_outside_0_1_is_one_line_naming_the_variable(name, text):
+    """Catches `=abc` as a float() traceback in the planner and the launch, and `=1.5` planned
+    as 150% of HBM (or `=0`, `=nan`) instead of refused."""
+    with pytest.raises(presets.UserError) as e:
+        presets.memory_fraction("h100", {name: text})
+    assert str(e.value).startswith(f"{name}={text!r}: must be a number in (0, 1]")
+    assert "\n" not in str(e.value)
+    with pytest.raises(presets.UserError):
+        presets.set_memory_fraction({name: text})
+
+
+def test_either_name_is_honoured_and_two_different_values_refused():
+    """Catches the planner ignoring jaxlib's XLA_CLIENT_MEM_FRACTION (planning 90% under a launch
+    that gives jax the user's 50%), and two names that disagree planned with one of them."""
+    assert presets.memory_fraction("h100", {NEW: "0.5"}) == 0.5
+    assert presets.memory_fraction("h200", {OLD: "1"}) == 1.0
+    assert presets.memory_fraction("h100", {NEW: "0.5", OLD: "0.50"}) == 0.5
+    assert presets.memory_fraction("h100", {NEW: "", OLD: ""}) == presets.MEM_FRACTION
+    with pytest.raises(presets.UserError, match=rf"^{NEW}=0.5 and {OLD}=0.6 disagree"):
+        presets.memory_fraction("h100", {NEW: "0.5", OLD: "0.6"})
+
+
+@pytest.mark.parametrize(
+    "given,left",
+    [
+        ({}, {OLD: "0.9"}),
+        ({OLD: ""}, {OLD: "0.9"}),  # empty is unset for jaxlib: 75%, not the planner's 90%
+        ({OLD: "0.5"}, {OLD: "0.5"}),
+        ({NEW: "0.5"}, {NEW: "0.5"}),
+        ({NEW: "0.5", OLD: "0.5"}, {NEW: "0.5"}),
+    ],
+)
+def test_the_launch_never_leaves_jax_both_names(given, left):
+    """Catches the launch setting XLA_PYTHON_CLIENT_MEM_FRACTION on top of the user's
+    XLA_CLIENT_MEM_FRACTION (jaxlib refuses the two "specified together" when its GPU backend
+    starts), leaving the user's two equal settings both in place, or taking an empty value for
+    the user's (jax then preallocates 75% under a plan for 90%)."""
+    environ = dict(given)
+    presets.set_memory_fraction(environ)
+    assert environ == left
+
+
+def test_plan_memory_refuses_a_bad_fraction_in_one_line(monkeypatch, capsys):
+    """Catches tools/plan_memory.py ending in a ValueError traceback for
+    XLA_PYTHON_CLIENT_MEM_FRACTION=abc, or with another exit status than ess_jax.main's 2."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import plan_memory
+
+    monkeypatch.setenv(OLD, "abc")
+    monkeypatch.delenv(NEW, raising=False)
+    argv = [f"--config={REPO}/configs/quickstart.py:tiny", "--device=h100", "--num_devices=1"]
+    try:
+        rc = plan_memory.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (rc, err) == (2, [f"error: {OLD}='abc': must be a number in (0, 1], the share of "
+                             "each GPU's memory jax may take"])  # fmt: skip
+
+
+def test_main_refuses_two_different_fractions_before_jax(tmp_path):
+    """Catches `python -m ess_jax.main` passing two disagreeing names on to jaxlib (its
+    "specified together" ValueError at the first GPU computation, after the config and workdir
+    checks) instead of one line with the config mistakes' exit status 2, before the workdir."""
+    env = {k: v for k, v in os.environ.items() if k not in (OLD, NEW, "ESS_JAX_VERBOSE")}
+    out = subprocess.run(
+        [sys.executable, "-m", "ess_jax.main", "--config=configs/quickstart.py:tiny",
+         f"--workdir={tmp_path / 'run'}"],
+        cwd=REPO, env={**env, NEW: "0.5", OLD: "0.6"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    err = [line for line in out.stderr.splitlines() if line.strip()]
+    assert (out.returncode, err) == (2, [f"error: {NEW}=0.5 and {OLD}=0.6 disagree: set one of "
+                                         f"them ({NEW}: jaxlib's name)"])  # fmt: skip
+    assert not (tmp_path / "run").exists()

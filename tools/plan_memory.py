@@ -33,6 +33,7 @@ if ROOT not in sys.path:  # config files import configs.*
 
 from ess_jax.config import presets  # noqa: E402
 from ess_jax.config.presets import GB  # noqa: E402
+from ess_jax.config.schema import UserError  # noqa: E402
 from ess_jax.memory import planner as memory  # noqa: E402
 
 # configs/paper/ experiment files in the order of docs/paper_scale.md's tables
@@ -187,6 +188,11 @@ def main(argv=None) -> int:
         return 0
     if not args.config:
         p.error("--config (or --markdown) is required")
+    try:
+        presets.user_memory_fraction()  # the user's share of GPU memory, checked before planning
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)  # one line, exit 2: as ess_jax.main
+        return 2
     config, refused = load_planned(args.config)
     preset = args.config.partition(":")[2].split(",")[-1]
     preset = presets.PRESETS.get(preset) or (

@@ -11,7 +11,8 @@ initialised from the environment (sharding.maybe_initialize_distributed: JAX_COO
 JAX_NUM_PROCESSES and JAX_PROCESS_ID when set, else jax's own detection of Cloud TPU VMs, SLURM
 and Open MPI jobs of more than one process).
 
-MEM_FRACTION: the share of device memory the planner allows and `ess_jax.main` gives jax.
+MEM_FRACTION: the share of device memory the planner allows and `ess_jax.main` gives jax;
+`user_memory_fraction` reads (and checks) the user's own.
 
 KNOWN_MODELS: the config.json fields of those models (and SmolLM2), so that the memory planner
 (ess_jax/memory/planner.py) and the config checks can size a run without the checkpoint.
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
+
+from ess_jax.config.schema import UserError
 
 GB = 1e9
 # Accelerator memory per device, decimal GB as the vendors state it (H100 SXM 80 GB, H200 141 GB,
@@ -31,26 +35,57 @@ GPUS = ("h100", "h200")
 
 # The share of each device's memory a run may fill; the rest is left to XLA's workspace,
 # collectives and fragmentation. The memory planner checks a plan against it, and on GPUs the
-# launch gives jax that share: jax preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of the memory
-# (75% unless set), so `set_memory_fraction` sets it to this before jax starts, unless the user
-# set it (then the planner uses the user's value for GPUs).
+# launch gives jax that share: jax preallocates the share its environment names (75% unless set),
+# so `set_memory_fraction` sets it to this before jax starts, unless the user set it (then the
+# planner uses the user's value for GPUs). jaxlib reads XLA_CLIENT_MEM_FRACTION or its older,
+# deprecated name XLA_PYTHON_CLIENT_MEM_FRACTION, and refuses the two set together.
 MEM_FRACTION = 0.9
-MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+MEM_FRACTION_ENVS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+MEM_FRACTION_ENV = MEM_FRACTION_ENVS[1]  # the name the launch sets: every jaxlib reads it
+
+
+def user_memory_fraction(environ=None) -> float | None:
+    """The share of GPU memory the user gave jax under either of MEM_FRACTION_ENVS (an empty
+    value is unset, as jaxlib reads it), or None; UserError (one line) for a value that is not a
+    number in (0, 1], or for both names set to different values."""
+    environ = os.environ if environ is None else environ
+    given = {}
+    for name in MEM_FRACTION_ENVS:
+        text = environ.get(name, "")
+        if not text:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= 1:  # NaN too
+            raise UserError(
+                f"{name}={text!r}: must be a number in (0, 1], the share of each GPU's memory "
+                "jax may take"
+            )
+        given[name] = value
+    if len(set(given.values())) > 1:
+        both = " and ".join(f"{n}={environ[n]}" for n in given)
+        raise UserError(f"{both} disagree: set one of them ({MEM_FRACTION_ENVS[0]}: jaxlib's name)")
+    return next(iter(given.values()), None)
 
 
 def memory_fraction(device: str, environ=None) -> float:
-    """The share of a `device`'s memory a run may use: the user's XLA_PYTHON_CLIENT_MEM_FRACTION
-    on a GPU when set, else MEM_FRACTION."""
-    environ = os.environ if environ is None else environ
-    if device in GPUS and environ.get(MEM_FRACTION_ENV):
-        return float(environ[MEM_FRACTION_ENV])
-    return MEM_FRACTION
+    """The share of a `device`'s memory a run may use: the user's (`user_memory_fraction`) on a
+    GPU when set, else MEM_FRACTION."""
+    user = user_memory_fraction(environ) if device in GPUS else None
+    return MEM_FRACTION if user is None else user
 
 
 def set_memory_fraction(environ=None) -> None:
-    """XLA_PYTHON_CLIENT_MEM_FRACTION = MEM_FRACTION unless set; before jax starts a backend."""
+    """Before jax starts a backend: MEM_FRACTION_ENV = MEM_FRACTION unless the user set either
+    name (`user_memory_fraction`: UserError for a bad value). Both names set to one value: the
+    deprecated one is dropped, as jaxlib refuses the two together."""
     environ = os.environ if environ is None else environ
-    environ.setdefault(MEM_FRACTION_ENV, str(MEM_FRACTION))
+    if user_memory_fraction(environ) is None:
+        environ[MEM_FRACTION_ENV] = str(MEM_FRACTION)
+    elif all(environ.get(name) for name in MEM_FRACTION_ENVS):
+        del environ[MEM_FRACTION_ENVS[1]]
 
 
 @dataclasses.dataclass(frozen=True)
