@@ -51,7 +51,16 @@ def _exit(msg: str, code: int = 2, prefix: str = "error: ") -> None:
     os._exit(code)
 
 
+def _config_root_on_path(argv: list[str]) -> None:
+    """Config files import `configs.*` (configs/mini/common.py): the `configs` package above the
+    --config file goes first on sys.path, so a command run from any directory loads it."""
+    root = names.config_root(names.config_file(argv) or "")
+    if root and root not in sys.path:
+        sys.path.insert(0, root)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
+    _config_root_on_path(argv)
     try:
         return flags.FLAGS(argv)
     except Exception as e:  # flags.Error, or ml_collections' KeyError for an unknown field

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -137,25 +138,51 @@ def unknown_field(config, path: str) -> str | None:
     return None
 
 
-def explain_flag_error(argv: list[str], exc: Exception) -> str:
-    """One line for a command line the flags parser refused: an unknown `--config.<field>`
-    names the closest field; a config file that raised gives its exception's last line."""
-    text = str(exc)
-    config_file = None
+def config_file(argv: list[str]) -> str | None:
+    """The `--config` flag's value (FILE[:ARG]) on a command line, or None."""
+    found = None
     for i, a in enumerate(argv):
         if a.startswith("--config="):
-            config_file = a.split("=", 1)[1]
+            found = a.split("=", 1)[1]
         elif a == "--config" and i + 1 < len(argv):
-            config_file = argv[i + 1]
+            found = argv[i + 1]
+    return found
+
+
+def config_root(spec: str) -> str | None:
+    """The nearest directory above the config file of `spec` (FILE[:ARG]) that holds a
+    `configs` package: what `from configs.mini import common` in the file needs on sys.path,
+    wherever the command runs from. None when no directory above it holds one."""
+    here = os.path.dirname(os.path.abspath(spec.partition(":")[0]))
+    while True:
+        if os.path.isfile(os.path.join(here, "configs", "__init__.py")):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+
+
+def explain_flag_error(argv: list[str], exc: Exception) -> str:
+    """One line for a command line the flags parser refused: an unknown `--config.<field>`
+    names the closest field; a config file that raised gives its exception's last line (a
+    `configs` package it cannot import: where to keep the file or run from)."""
+    text = str(exc)
+    spec = config_file(argv)
     overrides = [a[len("--config.") :].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "configs":
+        return (
+            f"config file {spec}: {text}: it imports the repository's configs package, so keep "
+            "it under the repository (beside configs/), or run from the repository's root"
+        )
     if "Error whilst parsing config file" in text:
         last = [line for line in text.splitlines() if line.strip()][-1].strip()
-        return f"config file {config_file}: {last}"
-    if config_file and overrides and isinstance(exc, (AttributeError, KeyError)):
+        return f"config file {spec}: {last}"
+    if spec and overrides and isinstance(exc, (AttributeError, KeyError)):
         from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
         try:
-            config = ConfigFileFlagParser("config", lock_config=False).parse(config_file)
+            config = ConfigFileFlagParser("config", lock_config=False).parse(spec)
         except Exception:  # reported below as the parser's own message
             config = None
         for path in overrides if config is not None else ():

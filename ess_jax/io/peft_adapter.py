@@ -48,12 +48,21 @@ def adapter_tensors(cfg: ModelConfig, adapters: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def base_model_path(base_model: str | None) -> str | None:
+    """adapter_config.json's `base_model_name_or_path`: a local path that exists made absolute
+    (a relative one, as typed at launch, would be resolved against the directory the adapter is
+    loaded from: `AutoPeftModelForCausalLM` fails anywhere else); any other name as given."""
+    if base_model and os.path.exists(base_model):
+        return os.path.abspath(base_model)
+    return base_model
+
+
 def adapter_config(cfg: ModelConfig, base_model: str | None) -> dict:
     hf_names = {n: _module(0, m, n).rsplit(".", 1)[1] for n, m in _MODULE_OF.items()}
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
+        "base_model_name_or_path": base_model_path(base_model),
         "r": cfg.lora_rank,
         "lora_alpha": cfg.lora_alpha,
         "lora_dropout": cfg.lora_dropout,
