@@ -1,9 +1,11 @@
 """Turn finished runs into a table (markdown) and an overlay plot of reward and ESS.
 
-    python experiments/compare.py runs/p3o runs/grpo_eps0.2 --out runs/compare
+    .venv/bin/python experiments/compare.py runs/p3o runs/grpo_eps0.2 --out runs/compare
 
 Per run: final train reward (mean of the last 5 steps), first and last held-out pass@1,
-mean and minimum ESS, mean clip fraction, skipped (non-finite) updates.
+mean and minimum ESS, mean clip fraction, skipped (non-finite) updates. Each metrics.jsonl is
+read once: a cut last line warns once; a bad line before it stops with one `error:` line naming
+the file and line (exit code 2, as `python -m ess_jax.main`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from ess_jax.rl.metrics import read_metrics  # noqa: E402
+from experiments.run_stats import read_rows  # noqa: E402
 
 
-def summarize(workdir: str) -> dict:
-    rows = read_metrics(workdir)
+def summarize(workdir: str, rows: list[dict] | None = None) -> dict:
+    """The table's row of one run; `rows` are its metrics rows when already read."""
+    rows = read_rows(workdir) if rows is None else rows
     train = [r for r in rows if r.get("reward_mean") is not None]
     evals = [r for r in rows if r.get("eval/pass@1") is not None]
     if not train:
@@ -46,15 +49,16 @@ def markdown_table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def overlay_plot(workdirs: list[str], out_png: str) -> None:
+def overlay_plot(runs: dict[str, list[dict]], out_png: str) -> None:
+    """Reward and ESS against step, one line per {workdir: its metrics rows}."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for wd in workdirs:
-        rows = [r for r in read_metrics(wd) if r.get("reward_mean") is not None]
+    for wd, rows in runs.items():
+        rows = [r for r in rows if r.get("reward_mean") is not None]
         steps = [r["step"] for r in rows]
         name = os.path.basename(os.path.normpath(wd))
         axes[0].plot(steps, [r["reward_mean"] for r in rows], label=name)
@@ -69,17 +73,26 @@ def overlay_plot(workdirs: list[str], out_png: str) -> None:
     plt.close(fig)
 
 
+def write(workdirs: list[str], out: str, notes: str = "") -> str:
+    """Writes <out>.md (the table, then `notes`) and <out>.png (none without workdirs); returns
+    the markdown. Reads each metrics.jsonl once."""
+    runs = {w: read_rows(w) for w in workdirs}
+    parts = [markdown_table([summarize(w, rows) for w, rows in runs.items()])] if runs else []
+    text = "\n\n".join(parts + ([notes] if notes else []))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".md", "w") as f:
+        f.write(text + "\n")
+    if runs:
+        overlay_plot(runs, out + ".png")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workdirs", nargs="+")
     ap.add_argument("--out", default="compare", help="output prefix (.md and .png)")
     args = ap.parse_args()
-    table = markdown_table([summarize(w) for w in args.workdirs])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".md", "w") as f:
-        f.write(table + "\n")
-    overlay_plot(args.workdirs, args.out + ".png")
-    print(table)
+    print(write(args.workdirs, args.out))
     print(f"wrote {args.out}.md and {args.out}.png")
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+from typing import NoReturn
 
 import numpy as np
 
@@ -27,15 +29,35 @@ COLLAPSE_NOTES = [
 ]
 
 
+class ToolExit(SystemExit):
+    """SystemExit with exit code 2 whose str() is the `error:` line printed (a test matches it)."""
+
+    def __init__(self, line: str):
+        super().__init__(2)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def fail(msg: str) -> NoReturn:
+    """Stop a tool of experiments/ as `python -m ess_jax.main` stops on a user's mistake (a bad
+    config, workdir or metrics.jsonl): one `error:` line on stderr, exit code 2."""
+    line = "error: " + " ".join(msg.split())
+    print(line, file=sys.stderr, flush=True)
+    raise ToolExit(line)
+
+
 def read_rows(path: str) -> list[dict]:
-    """A metrics.jsonl's rows (ess_jax.rl.metrics.read_metrics, which imports no jax): a cut last
-    line is left out with a warning; a bad line before it stops with the file and line."""
+    """A metrics.jsonl's rows, or a workdir's (ess_jax.rl.metrics.read_metrics, which imports no
+    jax): a cut last line is left out with a warning; a bad line before it stops (`fail`) with
+    the file and line."""
     from ess_jax.rl.metrics import MetricsError, read_metrics
 
     try:
         return read_metrics(path)
     except MetricsError as e:
-        raise SystemExit(str(e)) from e
+        fail(str(e))
 
 
 def load_run(path: str) -> dict:

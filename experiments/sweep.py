@@ -1,23 +1,33 @@
 """Run one config several times with different overrides, then compare the runs.
 
-    python experiments/sweep.py --config=configs/quickstart.py --root=runs/clip_sweep \
+    .venv/bin/python experiments/sweep.py --config=configs/quickstart.py --root=runs/clip_sweep \
         --variant p3o objective.name=p3o \
         --variant grpo_eps0.2 objective.name=grpo objective.clip_eps_low=0.2 \
             objective.clip_eps_high=0.2
 
-Each variant runs `python -m ess_jax.main` in its own process and workdir (so a crash in one
-does not take down the others and each run can be resumed), then experiments/compare.py
-writes <root>/compare.md and <root>/compare.png.
+Each variant runs `python -m ess_jax.main` in its own process and workdir <root>/<variant> (so
+a crash in one does not take down the others and each run can be resumed), its output on the
+console and in <root>/logs/<variant>.log; then experiments/compare.py writes <root>/compare.md
+and <root>/compare.png. A variant that fails does not stop the others: compare.md lists it (its
+exit code and log) under the table of the runs that finished, and the sweep exits with 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from experiments import compare  # noqa: E402
+
+MAIN = (sys.executable, "-m", "ess_jax.main")  # what each variant runs, before its flags
 
 
 def parse_variants(argv: list[str]) -> dict[str, list[str]]:
@@ -41,37 +51,57 @@ def parse_variants(argv: list[str]) -> dict[str, list[str]]:
     return variants
 
 
-def main() -> None:
+def run_logged(cmd: list[str], log_path: str) -> int:
+    """Runs `cmd` from the repository root, its stdout and stderr both on the console and
+    appended to `log_path` (after a `+ cmd` line); returns its exit code."""
+    line = "+ " + " ".join(cmd) + "\n"
+    print(line, end="", flush=True)
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with open(log_path, "ab") as log:
+        log.write(line.encode())
+        log.flush()
+        with subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        ) as proc:
+            for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):
+                log.write(chunk)
+                log.flush()
+                sys.stdout.write(text.decode(chunk))
+                sys.stdout.flush()
+    return proc.returncode
+
+
+def failure_table(failed: dict[str, tuple[int, str]]) -> str:
+    """The markdown of {variant: (exit code, log path)}."""
+    lines = ["| failed variant | exit code | log |", "|---|---|---|"]
+    return "\n".join([*lines, *(f"| {n} | {rc} | {log} |" for n, (rc, log) in failed.items())])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs every variant, then the comparison; 1 if a variant failed, else 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--root", required=True)
-    args, rest = ap.parse_known_args()
+    args, rest = ap.parse_known_args(argv)
     variants = parse_variants(rest)
-    workdirs = []
+    log_dir = os.path.join(args.root, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    finished, failed = [], {}
     for name, overrides in variants.items():
         wd = os.path.join(args.root, name)
-        workdirs.append(wd)
-        cmd = [
-            sys.executable,
-            "-m",
-            "ess_jax.main",
-            f"--config={args.config}",
-            f"--workdir={wd}",
-            *overrides,
-        ]
-        print("+", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, cwd=os.path.join(HERE, ".."))
-    subprocess.run(
-        [
-            sys.executable,
-            os.path.join(HERE, "compare.py"),
-            *workdirs,
-            "--out",
-            os.path.join(args.root, "compare"),
-        ],
-        check=True,
-    )
+        log = os.path.join(log_dir, name + ".log")
+        cmd = [*MAIN, f"--config={args.config}", f"--workdir={wd}", *overrides]
+        rc = run_logged(cmd, log)
+        if rc == 0:
+            finished.append(wd)
+        else:
+            failed[name] = (rc, log)
+            print(f"variant {name} failed (exit code {rc}); its log: {log}", flush=True)
+    out = os.path.join(args.root, "compare")
+    print(compare.write(finished, out, failure_table(failed) if failed else ""))
+    print(f"wrote {out}.md" + (f" and {out}.png" if finished else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
