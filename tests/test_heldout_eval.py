@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import tiny_model_cfg
+from conftest import one_line_exit, tiny_model_cfg
 
 from ess_jax.data.datasets.records import RecordError
 from ess_jax.rewards import get_reward
@@ -126,6 +126,34 @@ def test_tool_evaluates_an_exported_checkpoint(tmp_path, capsys):
     # a prompt wider than every bucket: one line naming --buckets, before any sampling
     short = [a if not a.startswith("--buckets") else "--buckets=8" for a in args]
     with pytest.raises(
-        SystemExit, match=r"^error: --buckets \(8,\): .* more than the largest bucket 8"
-    ):
+        SystemExit, match=r"^error: --buckets \(8,\): aime24 .* more than the largest bucket 8"
+    ) as e:
         evaluate_tool.main(short)
+    assert e.value.code == 2  # ess_jax.main's status for a mistake the user can fix
+
+
+def test_tool_refuses_bad_data_and_unencodable_prompts_in_one_line(tmp_path, capsys):
+    """Catches tracebacks from tools/evaluate.py, or another exit status than ess_jax.main's 2,
+    for a --data directory that does not exist (refused before the checkpoint loads: the
+    checkpoint here does not exist either), one with no data files, and a prompt with a
+    character the tokenizer cannot encode (refused before any sampling, naming the
+    benchmark)."""
+    from ess_jax.data import char_tokenizer
+
+    missing = tmp_path / "aime24"
+    line = one_line_exit(
+        capsys, lambda: evaluate_tool.main(["--checkpoint=nowhere", f"--data=aime24={missing}"])
+    )
+    assert line == f"error: --data aime24={missing}: no such directory"
+    missing.mkdir()
+    line = one_line_exit(capsys, lambda: evaluate_tool.load_benchmark("aime24", str(missing)))
+    assert line.startswith(f"error: --data aime24={missing}: no train/test/validation files")
+    fine = [{"prompt": "what is 1+1?"}]
+    evaluate_tool.check_prompts({"amc23": fine}, char_tokenizer(), (32,))
+    benchmarks = {"amc23": fine, "math500": [*fine, {"prompt": "What is 1+1?"}]}
+    line = one_line_exit(
+        capsys, lambda: evaluate_tool.check_prompts(benchmarks, char_tokenizer(), (32,))
+    )
+    assert line == (
+        "error: --data math500: prompt has characters the tokenizer cannot encode: 'What is 1+1?'"
+    )

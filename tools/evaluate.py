@@ -12,7 +12,9 @@ train-00000-of-00001.parquet as HuggingFaceH4/aime_2024 ships it): the split use
 else the only one there. Each problem gets k samples at the temperature (float32 sampler, the
 trainer's numerics); pass@j is the unbiased estimator from those k (Chen et al., 2021). The
 paper's evaluation temperature and sampling details are not public (0.6 here, Qwen3's default
-for thinking models). Every host of a multi-host slice runs the same command.
+for thinking models). Every host of a multi-host slice runs the same command. A mistake the user
+can fix (a path, a prompt the tokenizer cannot encode or wider than every --buckets width) ends
+in one line and exit status 2, as `ess_jax.main`, before any sampling.
 """
 
 from __future__ import annotations
@@ -49,20 +51,40 @@ def pass_table(correct_NxK: np.ndarray) -> dict[int, float]:
 def load_benchmark(
     name: str, directory: str, prompt_template: str | None = None, cache_dir: str | None = None
 ) -> list[dict]:
+    from ess_jax.config.schema import user_exit
     from ess_jax.data import CacheDirError, load_dataset
     from ess_jax.data.datasets.records import find_split_files
 
-    splits = sorted(find_split_files(directory))
+    try:
+        splits = sorted(find_split_files(directory))
+    except FileNotFoundError as e:  # no data files there
+        user_exit(f"--data {name}={directory}: {e}")
     split = "test" if "test" in splits else splits[0]
     if len(splits) > 1 and split != "test":
-        raise SystemExit(f"{directory}: several splits {splits} and no test split")
+        user_exit(f"--data {name}={directory}: several splits {splits} and no test split")
     try:
         ds = load_dataset(
             name, directory, split, prompt_template=prompt_template, data_dir=cache_dir
         )
     except CacheDirError as e:
-        raise SystemExit(f"error: {e} (--cache_dir)") from e
+        user_exit(f"{e} (--cache_dir)")
     return list(ds)
+
+
+def check_prompts(benchmarks: dict[str, list[dict]], tokenizer, buckets) -> None:
+    """Every benchmark's prompts encoded as eval encodes them (data.PromptBatcher), before any
+    sampling: a character the tokenizer cannot encode, or a prompt wider than every --buckets
+    width, is one line naming the benchmark (`user_exit`)."""
+    from ess_jax.config.schema import user_exit
+    from ess_jax.data import PromptBatcher, PromptTooLongError
+
+    for name, examples in benchmarks.items():
+        try:
+            PromptBatcher(examples, tokenizer, 1, buckets, shuffle=False)
+        except PromptTooLongError as e:
+            user_exit(f"--buckets {buckets}: {name} {e}")
+        except ValueError as e:  # data/tokenizer.py: a character it can only map to <unk>
+            user_exit(f"--data {name}: {e}")
 
 
 def evaluate_all(policy, tokenizer, stop_ids, benchmarks, args, reward=None) -> list[dict]:
@@ -145,13 +167,16 @@ def main(argv=None) -> int:
     unknown = set(data) - set(BENCHMARKS)
     if unknown:
         p.error(f"unknown benchmarks {sorted(unknown)}; valid: {', '.join(BENCHMARKS)}")
+    from ess_jax.config.schema import UserError, user_exit  # no jax
+
+    for name, directory in data.items():  # before the checkpoint loads
+        if not os.path.isdir(directory):
+            user_exit(f"--data {name}={directory}: no such directory")
 
     from ess_jax.config import presets
 
     presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
     from ess_jax.config.defaults import base_config
-    from ess_jax.config.schema import UserError
-    from ess_jax.data.batching import PromptTooLongError
     from ess_jax.parallel import sharding
     from ess_jax.rl import experiment, rollout, saved_policy
     from ess_jax.sampling import sampler
@@ -165,19 +190,15 @@ def main(argv=None) -> int:
     try:
         cfg, params, tokenizer, source = saved_policy.load(args.checkpoint, mesh, settings)
     except UserError as e:
-        raise SystemExit(f"error: {e}") from e
+        user_exit(e)
     print(f"[evaluating {source}]", file=sys.stderr)
     # the sample layout once, not per sampler call
     policy = rollout.PolicySource(cfg, sampler.sample_layout(cfg, params, mesh), 0)
     benchmarks = {
         n: load_benchmark(n, d, args.prompt_template, args.cache_dir) for n, d in data.items()
     }
-    try:
-        rows = evaluate_all(
-            policy, tokenizer, experiment.stop_ids(config, tokenizer), benchmarks, args
-        )
-    except PromptTooLongError as e:  # raised while batching, before any sampling
-        raise SystemExit(f"error: --buckets {args.buckets}: {e}") from e
+    check_prompts(benchmarks, tokenizer, args.buckets)
+    rows = evaluate_all(policy, tokenizer, experiment.stop_ids(config, tokenizer), benchmarks, args)
     print(format_table(rows))
     if args.out:
         with open(args.out, "w") as f:

