@@ -1,7 +1,7 @@
 """Held-out evaluation of any checkpoint (docs/method.md, E6): pass@1..16 on AIME 2024, AIME 2025,
 AMC 2023 and MATH-500 at 4K and 16K new tokens, printed as the paper's table.
 
-    python tools/evaluate.py --checkpoint=runs/paper/e1/p3o/hf \
+    .venv/bin/python tools/evaluate.py --checkpoint=runs/paper/e1/p3o/hf \
         --data=aime24=/data/aime_2024,aime25=/data/aime25,amc23=/data/amc23,math500=/data/math500
 
 --checkpoint: a Hugging Face directory (model.source: a base model, or the `hf/` a run writes

@@ -1,9 +1,11 @@
 """Per-device memory of a run before launching it, and whether it fits the device.
 
-    python tools/plan_memory.py --config=configs/paper/e1_clip_sweep.py:p3o,v5p-8
-    python tools/plan_memory.py --config=configs/quickstart.py --device=h100 --num_devices=1
-    python tools/plan_memory.py --config=configs/paper/e5_fp8.py:p3o --mesh=fsdp=4,tensor=2
-    python tools/plan_memory.py --markdown --write=docs/paper_scale.md
+    .venv/bin/python tools/plan_memory.py --config=configs/paper/e1_clip_sweep.py:p3o,v5p-8
+    .venv/bin/python tools/plan_memory.py --config=configs/quickstart.py --device=h100 \
+        --num_devices=1
+    .venv/bin/python tools/plan_memory.py --config=configs/paper/e5_fp8.py:p3o \
+        --mesh=fsdp=4,tensor=2
+    .venv/bin/python tools/plan_memory.py --markdown --write=docs/paper_scale.md
 
 Prints the resident buffers (params, AdamW state, policy history, external model), each phase's
 transients (train step, sampling, eval, history push) and, on the last line, the peak and
