@@ -44,7 +44,7 @@ def jax_runner(cfg, params, prompts, mask, n: int, mode: str):
     pb = sampler.bucket_length(p)
     toks = jnp.pad(jnp.asarray(prompts), ((0, 0), (pb - p, 0)))
     msk = jnp.pad(jnp.asarray(mask), ((0, 0), (pb - p, 0)))
-    prefill, decode = sampler._compiled(cfg, runner_static(n, mode), None)
+    prefill, decode = sampler.programs(cfg, runner_static(n, mode), None)
     one, rng = jnp.float32(1.0), jax.random.key(0)
 
     def run():

@@ -114,7 +114,7 @@ def programs(s):
     args = (sample_params, *prompts, key, one, one)
     compiled = {}  # attention_impl: (prefill, decode.Decode)
     for impl, extra in (("einsum", ""), ("cudnn", " (extra)")):
-        compiled[impl] = sampler._compiled(
+        compiled[impl] = sampler.programs(
             cfg.replace(dtype="bfloat16", attention_impl=impl), st, None
         )
         prefill = compiled[impl][0]

@@ -30,7 +30,7 @@ def _prefilled(stop_ids=()):
         stop_ids=stop_ids,
         pad_id=0,
     )
-    prefill, dec = sampler._compiled(CFG, st, None)
+    prefill, dec = sampler.programs(CFG, st, None)
     params = model.init_params(CFG, 0)
     toks = jnp.asarray(np.random.default_rng(0).integers(1, 96, (B, P)), jnp.int32)
     s = prefill(params, toks, jnp.ones((B, P), bool), jax.random.key(0), ONE, ONE)

@@ -168,7 +168,7 @@ def _sample_case(case):
         params = jax.eval_shape(precision.prepare_fn(sampler_precision), params)
     st = decode.Static(max_new_tokens=case["new"], num_samples=case["samples"], greedy=False,
                        top_k=0, use_top_p=False, stop_ids=(), pad_id=0)  # fmt: skip
-    prefill, dec = sampler._compiled(scfg, st, mesh)
+    prefill, dec = sampler.programs(scfg, st, mesh)
     shape = (case["prompts"], case["prompt"])
     sh = None if mesh is None else sharding.batch_sharding(mesh)
     toks = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)

@@ -100,8 +100,9 @@ def bucket_length(p: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(cfg: model_lib.ModelConfig, st: decode_lib.Static, mesh: Mesh | None):
-    """(prefill, decode) for one static configuration; jit caches per shape."""
+def programs(cfg: model_lib.ModelConfig, st: decode_lib.Static, mesh: Mesh | None):
+    """(prefill, decode) for one static configuration; jit caches per shape. Public for the
+    tools that lower them without sampling (memory/programs.py, tests, bench)."""
     prefill = jax.jit(functools.partial(decode_lib.prefill, cfg=cfg, st=st, mesh=mesh))
     return prefill, decode_lib.Decode(cfg, st, mesh)
 
@@ -202,7 +203,7 @@ def sample(
         params = precision_lib.prepare_fn(precision)(params)
 
     _compiled_keys.add((sample_cfg, st, mesh))
-    prefill, decode = _compiled(sample_cfg, st, mesh)
+    prefill, decode = programs(sample_cfg, st, mesh)
     temperature = jnp.float32(max(sampling.temperature, 1e-6))
     top_p = jnp.float32(sampling.top_p)
     state = prefill(params, _place(tokens_np, mesh), _place(mask_np, mesh), rng, temperature, top_p)
@@ -226,4 +227,4 @@ def sample(
 
 def compile_cache_size() -> int:
     """Compiled decode programs held (tests use it to check that bucketing avoids recompiles)."""
-    return sum(_compiled(*key)[1].cache_size() for key in _compiled_keys)
+    return sum(programs(*key)[1].cache_size() for key in _compiled_keys)

@@ -1,0 +1,269 @@
+"""The programs of a run, built abstractly: what `tools/compile_tpu.py` compiles for a TPU slice.
+
+`run_programs(config, mesh)` gives one `Program` per distinct jitted program that a run of
+`config` executes on `mesh`, each with abstract inputs (`jax.ShapeDtypeStruct`s carrying the
+NamedShardings the run gives them), built by the functions the run itself calls:
+
+  rl_step              steps.make_rl_step: one optimizer update (objective, micro-batches, ESS
+                       scope, AdamW), on the rows of one update at the widest prompt bucket;
+  score                steps.score_fn: teacher-forced pi_prox / reference log-probs of a whole
+                       rollout batch (only where the objective or beta_kl needs them);
+  sft_step             steps.make_sft_step (only with sft.steps > 0);
+  reshard              the train -> sample layout move of the params (sharding.reshard);
+  sampler_copy         precision.prepare_fn: the sampler's weights in rollout.precision;
+  lora_merge           lora_policy.merge_fn, which replaces the two above under model.lora;
+  sample/prefill, sample/decode<bound>
+                       the sampler's prefill and each decode segment (decode.decode_bounds), the
+                       segment's cache grown to its bound, at rollout.precision and
+                       rollout.kv_cache_precision, one sampler call's prompts;
+  eval/prefill, eval/decode<bound>
+                       the same at eval's batch, k, precision and length (with eval.every > 0).
+
+No weights are loaded: the model's shapes come from `planner.model_config` (a checkpoint's
+config.json, else KNOWN_MODELS). Each program carries the planner's bytes for the same program
+(its arguments, outputs and temporaries, as `compiled.memory_analysis()` counts them) and the
+bytes the run holds beside it on each device (`beside_bytes`: the train state while the
+sampler runs, the policy history, an external or reference model), so that a program's peak
+on the device is compiler bytes + beside_bytes. `loop_trips`: how many times the program's
+loop body runs per call (micro-batches, score chunks, decode steps): XLA's cost analysis
+counts a loop body once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ess_jax import objectives as obj_lib
+from ess_jax.memory import planner
+from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
+from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.rl import lora_policy, steps
+from ess_jax.rl.optim import make_optimizer
+from ess_jax.sampling import decode as decode_lib
+from ess_jax.sampling import precision as precision_lib
+from ess_jax.sampling import sampler as sampler_lib
+
+# The train batch's arrays and dtypes (steps.rollout_to_batch), by whether they span the whole
+# sequence or only the response.
+_SEQUENCE = {"tokens": jnp.int32, "attn_mask": jnp.bool_}
+_RESPONSE = {"mask": jnp.float32, "behaviour_logp": jnp.float32, "advantages": jnp.float32}
+
+
+@dataclasses.dataclass
+class Program:
+    """One jitted program and its abstract inputs. `args` may be a function of the programs
+    compiled before it (name -> compiled), for inputs whose layout the compiler picks (the
+    decode state that the prefill outputs)."""
+
+    name: str
+    fn: Any  # a jax.jit-wrapped function
+    args: tuple | Callable[[dict], tuple]
+    planner_bytes: float | None
+    beside_bytes: float = 0.0
+    loop_trips: int = 1
+
+    def lower(self, compiled: dict):
+        args = self.args(compiled) if callable(self.args) else self.args
+        return self.fn.lower(*args)
+
+
+def abstract(tree, shardings):
+    """`tree`'s leaves as ShapeDtypeStructs carrying `shardings`."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def abstract_state(params, tx, frozen=None) -> tuple[steps.TrainState, steps.TrainState]:
+    """The abstract TrainState of abstract `params` (and its shardings), laid out as
+    steps.init_state lays out the real one: moments as their params, scalars replicated."""
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    rep = sharding_lib.replicated(mesh)
+    opt = jax.eval_shape(tx.init, params)
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, p: p.sharding, opt, params, transform_non_params=lambda _: rep
+    )
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    state = steps.TrainState(params, abstract(opt, opt_sh), scalar, scalar, frozen)
+    return state, jax.tree.map(lambda x: x.sharding, state)
+
+
+def _batch(rows: int, prompt: int, length: int, mesh) -> dict:
+    sh = sharding_lib.batch_sharding(mesh)
+    out = {k: jax.ShapeDtypeStruct((rows, length), dt, sharding=sh) for k, dt in _SEQUENCE.items()}
+    for k, dt in _RESPONSE.items():
+        out[k] = jax.ShapeDtypeStruct((rows, length - prompt), dt, sharding=sh)
+    return out
+
+
+def _bytes(tree) -> float:
+    """Per-device bytes of an abstract tree's shards."""
+    return float(
+        sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(tree)
+        )
+    )
+
+
+def _static(cfg, n: int, new_tokens: int, temperature: float, kv: str) -> decode_lib.Static:
+    eos = cfg.eos_token_id
+    stops = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    return decode_lib.Static(
+        max_new_tokens=new_tokens, num_samples=n, greedy=temperature == 0, top_k=0,
+        use_top_p=False, stop_ids=tuple(sorted(set(stops))), pad_id=int(cfg.pad_token_id or 0),
+        kv_cache=kv,
+    )  # fmt: skip
+
+
+def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, new, temperature,
+                     precision, kv, amesh, beside) -> list[Program]:  # fmt: skip
+    """The prefill and every decode segment of one sampler call of `prompts` x `n` samples
+    (prompt width `prompt` before bucketing). `weights(compiled)`: the sampler's abstract
+    copy, laid out as the program that makes it outputs it; `w_bytes` its bytes per device."""
+    scfg = precision_lib.sample_config(cfg, precision)
+    st = _static(cfg, n, new, temperature, kv)
+    prefill, dec = sampler_lib.programs(scfg, st, mesh)
+    width = sampler_lib.bucket_length(prompt)
+    sh = sharding_lib.batch_sharding(mesh)
+    toks = jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=sh)
+    mask = jax.ShapeDtypeStruct((prompts, width), jnp.bool_, sharding=sh)
+    scalars = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
+
+    def prefill_args(compiled):
+        return weights(compiled), toks, mask, jax.random.key(0), *scalars
+
+    terms = planner.sampler_terms(scfg, amesh, prompts, n, width, new, precision, kv)
+    out = [Program(f"{prefix}/prefill", prefill, prefill_args,
+                   w_bytes + terms["kv_cache"] + terms["prefill"], beside)]  # fmt: skip
+
+    def state_for(bound):
+        def args(compiled):
+            state = jax.eval_shape(prefill, *prefill_args(compiled))
+            state = abstract(state, compiled[f"{prefix}/prefill"].output_shardings)
+            grown = jax.eval_shape(
+                lambda c: [decode_lib.grow_layer(x, width + bound, mesh) for x in c], state.cache
+            )
+            cache = abstract(grown, jax.tree.map(lambda x: x.sharding, state.cache))
+            return weights(compiled), state.replace(cache=cache), *scalars
+
+        return args
+
+    previous = 1  # the prefill draws the first token
+    for bound, segment in zip(dec.bounds, dec.segments):
+        out.append(
+            Program(f"{prefix}/decode{bound}", segment, state_for(bound),
+                    w_bytes + terms["kv_cache"] + terms["decode"], beside, bound - previous)
+        )  # fmt: skip
+        previous = bound
+    return out
+
+
+def run_programs(config, mesh) -> list[Program]:
+    """Every distinct program a (synchronous) run of `config` compiles, on `mesh`."""
+    sizes = dict(mesh.shape)
+    amesh = planner.abstract_mesh(sizes)
+    plan = planner.plan(config, mesh.size, "v5p", sizes)  # bytes only: the device is unused
+    cfg = lora_policy.lora_config(config.model, planner.model_config(config.model))
+    rank = lora_policy.lora_settings(config.model)[0]
+    policy_cfg = lora.base_config(cfg)
+    r, t, e = config.rollout, config.train, config.eval
+    resident = sum(plan.resident.values())
+
+    params = abstract(model_lib.abstract_params(cfg), model_lib.param_shardings(cfg, mesh))
+    frozen, trained = lora.split(params) if rank else (None, params)
+    optim = {**config.optim.to_dict(), "total_steps": t.steps * t.updates_per_batch}
+    tx = make_optimizer(optim)
+    state, state_sh = abstract_state(trained, tx, frozen)
+    held = _bytes(state.params) + _bytes(state.opt_state) + _bytes(frozen or {})
+    beside_train = resident - held  # history, external and reference models
+
+    prompt = max(config.data.buckets)
+    length = prompt + r.max_new_tokens
+    rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch
+    batch = _batch(rows, prompt, length, mesh)
+    objective_cfg = obj_lib.objective_config(config.objective.to_dict())
+    bsh = sharding_lib.batch_sharding(mesh)
+    step = steps.make_rl_step(cfg, tx, objective_cfg, t.num_microbatches, prompt, state_sh, bsh,
+                              seed=config.seed, group_size=int(r.group_size))  # fmt: skip
+    train_terms = sum(plan.phases["train step"].values())
+    out = [
+        Program("rl_step", step, (state, batch), held + _bytes(batch) + train_terms,
+                beside_train, t.num_microbatches)
+    ]  # fmt: skip
+    needs_prox = obj_lib.get_objective(objective_cfg.name).needs_prox
+    if needs_prox or config.objective.beta_kl > 0:
+        chunks = t.num_microbatches * t.updates_per_batch
+        whole = _batch(rows * t.updates_per_batch, prompt, length, mesh)
+        score_in = {k: whole[k] for k in _SEQUENCE}
+        score = steps.score_fn(policy_cfg if not rank else cfg, prompt, mesh, chunks)
+        out.append(Program("score", score, (params, score_in), None, resident, chunks))
+    if config.sft.steps:
+        stx = make_optimizer({"lr": config.sft.lr, "warmup_steps": config.sft.warmup_steps,
+                              "total_steps": config.sft.steps, "max_grad_norm": 1.0,
+                              "schedule": "cosine", "final_lr_fraction": 0.1})  # as sft.py's
+        sft_state, sft_sh = abstract_state(trained, stx, frozen)
+        sft_len = int(config.sft.seq_len)
+        shape = (config.sft.batch_size, sft_len)
+        sft_batch = {
+            "tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bsh),
+            "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=bsh),
+        }
+        terms = planner.train_terms(cfg, amesh, config.sft.batch_size, sft_len, 0, sft_len)
+        sft_held = _bytes(sft_state.params) + _bytes(sft_state.opt_state) + _bytes(frozen or {})
+        out.append(Program("sft_step", steps.make_sft_step(cfg, stx, sft_sh, bsh, config.seed),
+                           (sft_state, sft_batch), sft_held + _bytes(sft_batch)
+                           + sum(terms.values()), beside_train))  # fmt: skip
+
+    sample_sh = model_lib.param_shardings(policy_cfg, mesh, "sample")
+    sample_params = abstract(model_lib.abstract_params(policy_cfg), sample_sh)
+
+    def weights_for(precision: str):
+        """(weights(compiled), bytes): the sampler's abstract weights in `precision`, and the
+        program that makes them added to `out` (once per format)."""
+        if rank:
+            name = f"lora_merge/{precision}"
+            fn, args = lora_policy.merge_fn(cfg, mesh, "sample", precision), (frozen, trained)
+        elif precision == "float32":
+            name, fn, args = "reshard", jax.jit(lambda p: p, out_shardings=sample_sh), (params,)
+        else:
+            name = f"sampler_copy/{precision}"
+            fn, args = precision_lib.prepare_fn(precision), (sample_params,)
+        copy = jax.eval_shape(fn, *args)
+        copy_bytes = (
+            planner.sampler_copy_bytes(policy_cfg, amesh, precision)
+            if precision != "float32"
+            else _bytes(sample_params)
+        )
+        if not any(p.name == name for p in out):
+            out.append(Program(name, fn, args, _bytes(args) + copy_bytes, resident - held))
+        if name == "reshard":
+            return (lambda compiled: sample_params), copy_bytes
+        if name.startswith("sampler_copy") and not any(p.name == "reshard" for p in out):
+            move = jax.jit(lambda p: p, out_shardings=sample_sh)
+            out.append(Program("reshard", move, (params,), _bytes(params) + _bytes(sample_params),
+                               resident - held))  # fmt: skip
+        return (lambda compiled: abstract(copy, compiled[name].output_shardings)), copy_bytes
+
+    calls = int(r.get("sample_microbatches", 1))
+    n_ext = round(r.external_fraction * r.group_size) if r.external_fraction > 0 else 0
+    kv = r.get("kv_cache_precision", "compute")
+    out += sampler_programs("sample", policy_cfg, *weights_for(r.precision), mesh,
+                            config.data.prompts_per_step // calls, r.group_size - n_ext, prompt,
+                            r.max_new_tokens, r.temperature, r.precision, kv, amesh,
+                            resident)  # fmt: skip
+    if e.every:
+        eprec = str(e.get("precision", "float32"))
+        out += sampler_programs("eval", policy_cfg, *weights_for(eprec), mesh, e.batch_size, e.k,
+                                prompt, e.max_new_tokens, e.temperature, eprec,
+                                e.get("kv_cache_precision", "compute"), amesh,
+                                resident)  # fmt: skip
+    return out

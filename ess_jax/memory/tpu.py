@@ -1,0 +1,134 @@
+"""A run's programs compiled for a TPU slice on any host: the TPU compiler's memory and cost.
+
+With libtpu installed (`bash tools/install.sh --tpu`), `jax.experimental.topologies` describes
+a TPU slice on a CPU host (`topology_devices`); a mesh over those abstract devices and inputs
+carrying NamedShardings on it let `jax.jit(f).lower(...).compile()` run the TPU compiler, which
+lays out each program's buffers (`compiled.memory_analysis()`: argument, output, temporary
+and alias bytes per device) and estimates its cost (`compiled.cost_analysis()`: flops, bytes
+accessed, and `optimal_seconds`, the compiler's own time estimate: an estimate, never a
+measurement; it can be negative or meaningless, so `compile_run` passes it on as given).
+
+Traps the numbers carry (measured with libtpu 0.0.42.1):
+  - a loop body (`lax.scan`, `while_loop`) is counted once in cost_analysis, not per trip:
+    each row says its `loop_trips` (programs.Program);
+  - Pallas kernels are custom calls that cost_analysis does not count.
+
+`compile_run(config, devices)` compiles every `programs.run_programs` program and returns one
+row per program; a program the compiler refuses is a row with its message, not a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ess_jax.memory import programs as programs_lib
+from ess_jax.parallel import sharding as sharding_lib
+
+
+class TopologyError(ValueError):
+    """libtpu is missing or does not know the topology name."""
+
+
+def topology_devices(name: str) -> list:
+    """The abstract TPU devices of topology `name` (e.g. "v5p:2x2x1", "v5e:4x4")."""
+    try:
+        from jax.experimental import topologies
+    except ImportError as e:  # pragma: no cover (part of jax)
+        raise TopologyError(str(e)) from e
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # libtpu's errors are RuntimeError / XlaRuntimeError
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "libtpu" in text.lower() or "Unknown backend" in text or "tpu" not in text.lower():
+            text += " (is libtpu installed? bash tools/install.sh --tpu)"
+        raise TopologyError(f"topology {name!r}: {text}") from e
+
+
+@dataclasses.dataclass
+class Row:
+    """One compiled program: per-device bytes as the planner counts them (arguments + outputs +
+    temporaries - aliases), the compiler's cost, or the compiler's refusal."""
+
+    compiler_bytes: float | None
+    planner_bytes: float | None
+    beside_bytes: float
+    flops: float | None
+    bytes_accessed: float | None
+    optimal_seconds: float | None
+    loop_trips: int
+    compile_seconds: float
+    error: str | None = None
+    memory: dict | None = None  # argument / output / temp / alias bytes
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def memory_bytes(compiled) -> tuple[float, dict]:
+    m = compiled.memory_analysis()
+    parts = {
+        "argument": m.argument_size_in_bytes,
+        "output": m.output_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+    }
+    return float(parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]), parts
+
+
+def _cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):  # older jax: one dict per partition
+        cost = cost[0] if cost else {}
+    return cost or {}
+
+
+def compile_run(config, devices, log=print) -> dict[str, Row]:
+    """name -> Row for every program of `config` on `devices` with the config's mesh."""
+    mesh = sharding_lib.make_mesh(dict(config.mesh), devices)
+    compiled: dict = {}
+    rows: dict[str, Row] = {}
+    for program in programs_lib.run_programs(config, mesh):
+        t0 = time.perf_counter()
+        try:
+            c = program.lower(compiled).compile()
+        except Exception as e:  # the compiler's refusal is a result, not a crash
+            msg = " ".join(str(e).split())[:2000] or type(e).__name__
+            rows[program.name] = Row(
+                None, program.planner_bytes, program.beside_bytes, None, None, None,
+                program.loop_trips, time.perf_counter() - t0, msg,
+            )  # fmt: skip
+            log(f"{program.name}: compile error: {msg[:200]}")
+            continue
+        compiled[program.name] = c
+        total, parts = memory_bytes(c)
+        cost = _cost(c)
+        rows[program.name] = Row(
+            total, program.planner_bytes, program.beside_bytes, cost.get("flops"),
+            cost.get("bytes accessed"), cost.get("optimal_seconds"), program.loop_trips,
+            time.perf_counter() - t0, memory=parts,
+        )  # fmt: skip
+        log(f"{program.name}: {total / 1e9:.3f} GB per device, compiled in "
+            f"{rows[program.name].compile_seconds:.1f} s")  # fmt: skip
+    return rows
+
+
+def peak_bytes(rows: dict[str, Row]) -> float:
+    """The run's per-device peak: the largest compiled program plus what the run holds beside
+    it (programs.Program.beside_bytes); NaN-free, refused programs left out."""
+    ok = [r.compiler_bytes + r.beside_bytes for r in rows.values() if r.compiler_bytes is not None]
+    return float(max(ok)) if ok else float("nan")
+
+
+def device_count(devices) -> tuple[int, int]:
+    """(devices, hosts) of a device list."""
+    return len(devices), len({d.process_index for d in devices})
+
+
+def planner_error(row: Row) -> float | None:
+    """(planner - compiler) / compiler, or None where either is missing."""
+    if row.compiler_bytes is None or row.planner_bytes is None or not row.compiler_bytes:
+        return None
+    return float(np.float64(row.planner_bytes - row.compiler_bytes) / row.compiler_bytes)
