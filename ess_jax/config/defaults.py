@@ -17,7 +17,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.source = "embedded"  # embedded | smollm2 | path to an HF dir or a .gguf file
-    c.model.dtype = "float32"  # trainer compute dtype (params are float32 masters)
+    c.model.dtype = "float32"  # trainer compute: float32 | bfloat16 | float16 (float32 masters)
     # > 0: full-sequence forwards compute the LM head and attention this many tokens at a time
     c.model.logits_chunk = 0
     c.model.remat = False  # recompute each block in the backward pass (long sequences)
@@ -136,7 +136,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-5
     c.optim.warmup_steps = 0
-    c.optim.schedule = "constant"
+    c.optim.schedule = "constant"  # constant | cosine (to lr * final_lr_fraction), after warmup
     c.optim.final_lr_fraction = 1.0
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999

@@ -1,8 +1,9 @@
 """The values each config field may take, as tables that need no jax: `DOMAINS` (every int /
 float field's `Domain`), `CHOICES` (the fixed-choice string fields) with the tuples of names
 that other layers import (`PRECISIONS`, `KV_CACHE_PRECISIONS`, `ATTENTION_IMPLS`,
-`ESS_SCOPES`, `TRAIN_MODES`, `LORA_BASE_PRECISIONS`) and `LORA_TARGETS`. schema.py checks a
-config against them.
+`ESS_SCOPES`, `TRAIN_MODES`, `LORA_BASE_PRECISIONS`, `LR_SCHEDULES`, `ADVANTAGE_MODES`, the
+objective's), `FREE_STRINGS` (the string fields without a fixed set) and `LORA_TARGETS`.
+schema.py checks a config against them.
 """
 
 from __future__ import annotations
@@ -172,11 +173,37 @@ LORA_BASE_PRECISIONS = ("compute", "int8", "int4")
 # train.mode (meanings: ess_jax/rl/actor_learner.py).
 TRAIN_MODES = ("sync", "async")
 
-# String fields with a fixed set of values. Names with a registry of their own (objective.name,
-# task.name, task.reward) are checked by that registry in experiment.validate.
+# model.dtype: the trainer's compute dtype (params stay float32 masters; model/config.py).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+# optim.schedule (ess_jax/rl/optim.py): after the linear warmup, "constant" holds optim.lr and
+# "cosine" decays it to lr * optim.final_lr_fraction at the run's last update.
+LR_SCHEDULES = ("constant", "cosine")
+
+# rollout.advantage_mode (meanings: ess_jax/rl/advantages.py).
+ADVANTAGE_MODES = ("grpo", "drgrpo", "rloo")
+
+# The objective's string knobs (meanings: ess_jax/objectives/config.py and kl.py, whose
+# KL_ESTIMATORS implement every kl_estimator name but "full", the re-scored exact KL).
+KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "k3_is", "forward", "full")
+REF_KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
+DUAL_VERSIONS = ("two_kl", "mixture")
+IS_LEVELS = ("token", "sequence")
+
+# String fields with a fixed set of values (a test keeps every string field of base_config either
+# here or in FREE_STRINGS).
 CHOICES: dict[str, tuple[str, ...]] = {
     "objective.ess_scope": ESS_SCOPES,
+    "objective.kl_estimator": KL_ESTIMATOR_NAMES,
+    "objective.ref_kl_estimator": REF_KL_ESTIMATORS,
+    "objective.aggregation": AGGREGATIONS,
+    "objective.dual_version": DUAL_VERSIONS,
+    "objective.is_level": IS_LEVELS,
+    "model.dtype": MODEL_DTYPES,
     "model.attention_impl": ATTENTION_IMPLS,
+    "optim.schedule": LR_SCHEDULES,
+    "rollout.advantage_mode": ADVANTAGE_MODES,
     "rollout.precision": PRECISIONS,
     "rollout.external_precision": PRECISIONS,
     "rollout.kv_cache_precision": KV_CACHE_PRECISIONS,
@@ -184,6 +211,20 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "eval.kv_cache_precision": KV_CACHE_PRECISIONS,
     "train.mode": TRAIN_MODES,
     "model.lora.base_precision": LORA_BASE_PRECISIONS,
+}
+
+# String fields without a fixed set of values, and what checks each. Names with a registry of
+# their own are checked by that registry in experiment.validate.
+FREE_STRINGS: dict[str, str] = {
+    "model.source": "embedded | smollm2 | a Hugging Face directory or .gguf file (validate)",
+    "model.lora.targets": "comma-separated LORA_TARGETS (schema.check)",
+    "objective.name": "a key of objectives/registry.py's OBJECTIVES (validate)",
+    "task.name": "a synthetic task or local dataset of rl/experiment.py (validate)",
+    "task.reward": "a reward of ess_jax/rewards (validate)",
+    "task.manual_dir": "a directory (validate, for the local datasets)",
+    "task.cache_dir": "a directory ('': beside manual_dir)",
+    "task.test_split": "a split of the task's files",
+    "rollout.external_checkpoint": "as model.source (validate, with external_fraction > 0)",
 }
 
 

@@ -9,6 +9,7 @@ from ess_jax.objectives.config import (
     DUAL_VERSIONS,
     FULL_KL,
     IS_LEVELS,
+    REF_KL_ESTIMATORS,
     SCOPES,
     ObjectiveConfig,
 )
@@ -25,7 +26,6 @@ from ess_jax.objectives.core import (
 )
 from ess_jax.objectives.kl import (
     KL_ESTIMATORS,
-    REF_KL_ESTIMATORS,
     EssSums,
     combine_ess_sums,
     effective_sample_size,

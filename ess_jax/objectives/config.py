@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from ess_jax.config.domains import ESS_SCOPES
-from ess_jax.objectives.kl import KL_ESTIMATORS, REF_KL_ESTIMATORS
+from ess_jax.config.domains import (
+    AGGREGATIONS,
+    DUAL_VERSIONS,
+    ESS_SCOPES,
+    IS_LEVELS,
+    REF_KL_ESTIMATORS,
+)
+from ess_jax.objectives.kl import KL_ESTIMATORS
 
 SCOPES = ESS_SCOPES  # meanings: scopes.py
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
-DUAL_VERSIONS = ("two_kl", "mixture")
-IS_LEVELS = ("token", "sequence")
 # kl_estimator "full": the exact KL to pi_b's whole distribution, which the train step re-scores
 # (ess_jax/sampling/rescore.py) and hands over as batch["kl_full"].
 FULL_KL = "full"

@@ -113,10 +113,10 @@ KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "k3_is": kl_k3_is,
     "forward": kl_forward,
 }
-# ObjectiveConfig.ref_kl_estimator: the frozen reference is not the policy the tokens come from
-# (pi_b), so the weight pi / pi_ref of k3_is and forward corrects for the wrong sampler (and
-# grows without bound as pi leaves pi_ref); the reference KL keeps k1 / k2 / k3.
-REF_KL_ESTIMATORS = ("k1", "k2", "k3")
+# ObjectiveConfig.ref_kl_estimator (config/domains.py's REF_KL_ESTIMATORS): the frozen reference
+# is not the policy the tokens come from (pi_b), so the weight pi / pi_ref of k3_is and forward
+# corrects for the wrong sampler (and grows without bound as pi leaves pi_ref); the reference KL
+# keeps k1 / k2 / k3.
 
 
 def get_kl_estimator(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MODES = ("grpo", "drgrpo", "rloo")
+from ess_jax.config.domains import ADVANTAGE_MODES
+
+MODES = ADVANTAGE_MODES  # rollout.advantage_mode's domain: the config check refuses any other
 
 
 def _groups(x_N: jax.Array, group_size: int) -> jax.Array:

@@ -30,6 +30,7 @@ def warm_start(config, model_cfg, state, mesh, examples, tokenizer, quiet=False)
             "warmup_steps": c.warmup_steps,
             "total_steps": c.steps,
             "max_grad_norm": 1.0,
+            "schedule": "cosine",
             "final_lr_fraction": 0.1,
         }
     )
