@@ -3,6 +3,7 @@
 to presets.MEM_FRACTION before jax starts, unless the user set it, and the planner checks plans
 against the same share (the user's on GPUs when set)."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -108,17 +109,22 @@ def test_the_launch_never_leaves_jax_both_names(given, left):
     assert environ == left
 
 
-def test_plan_memory_refuses_a_bad_fraction_in_one_line(monkeypatch, capsys):
-    """Catches tools/plan_memory.py ending in a ValueError traceback for
+@pytest.mark.parametrize("tool", ["plan_memory", "generate", "evaluate"])
+def test_the_tools_refuse_a_bad_fraction_in_one_line(tool, tmp_path, monkeypatch, capsys):
+    """Catches tools/plan_memory.py, generate.py or evaluate.py ending in a traceback for
     XLA_PYTHON_CLIENT_MEM_FRACTION=abc, or with another exit status than ess_jax.main's 2."""
     sys.path.insert(0, os.path.join(REPO, "tools"))
-    import plan_memory
-
+    module = importlib.import_module(tool)
+    argv = {
+        "plan_memory": [f"--config={REPO}/configs/quickstart.py:tiny", "--device=h100",
+                        "--num_devices=1"],
+        "generate": ["--prompt=hi"],
+        "evaluate": ["--checkpoint=none", f"--data=aime24={tmp_path}"],
+    }[tool]  # fmt: skip
     monkeypatch.setenv(OLD, "abc")
     monkeypatch.delenv(NEW, raising=False)
-    argv = [f"--config={REPO}/configs/quickstart.py:tiny", "--device=h100", "--num_devices=1"]
     try:
-        rc = plan_memory.main(argv)
+        rc = module.main(argv)
     except SystemExit as e:
         rc = e.code
     err = capsys.readouterr().err.strip().splitlines()

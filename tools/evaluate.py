@@ -175,7 +175,10 @@ def main(argv=None) -> int:
 
     from ess_jax.config import presets
 
-    presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
+    try:
+        presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
+    except UserError as e:  # XLA_CLIENT_MEM_FRACTION=abc, or two disagreeing names
+        user_exit(e)
     from ess_jax.config.defaults import base_config
     from ess_jax.parallel import sharding
     from ess_jax.rl import experiment, rollout, saved_policy

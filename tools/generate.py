@@ -51,11 +51,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
 
     from ess_jax.config import presets
+    from ess_jax.config.schema import UserError, user_exit
 
-    presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
+    try:
+        presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
+    except UserError as e:  # XLA_CLIENT_MEM_FRACTION=abc, or two disagreeing names
+        user_exit(e)
     import jax
 
-    from ess_jax.config.schema import UserError, user_exit
     from ess_jax.data import encode_prompt
     from ess_jax.io import weights
     from ess_jax.rl import saved_policy

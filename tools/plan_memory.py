@@ -35,7 +35,7 @@ if ROOT not in sys.path:  # config files import configs.*
 
 from ess_jax.config import presets  # noqa: E402
 from ess_jax.config.presets import GB  # noqa: E402
-from ess_jax.config.schema import UserError  # noqa: E402
+from ess_jax.config.schema import UserError, user_exit  # noqa: E402
 from ess_jax.memory import planner as memory  # noqa: E402
 
 # configs/paper/ experiment files in the order of docs/paper_scale.md's tables
@@ -193,8 +193,7 @@ def main(argv=None) -> int:
     try:
         presets.user_memory_fraction()  # the user's share of GPU memory, checked before planning
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)  # one line, exit 2: as ess_jax.main
-        return 2
+        user_exit(e)  # one line, exit 2: as ess_jax.main
     config, refused = load_planned(args.config)
     preset = args.config.partition(":")[2].split(",")[-1]
     preset = presets.PRESETS.get(preset) or (
