@@ -4,14 +4,17 @@ Any config field can be overridden: `--config.objective.name=grpo --config.train
 Resuming a workdir with other values than its checkpoint's is refused except for
 `workdir.SAFE_ON_RESUME` (train.steps, eval.*, ...) and `--allow_config_change=field,...`.
 Errors a user can fix (a config value, a busy workdir, an unreadable checkpoint) print as one
-line; `--verbose` or ESS_JAX_VERBOSE=1 shows the traceback. SIGTERM (preemption) writes a
-checkpoint, prints one `stopped:` line and exits with 143 (`ess_jax.rl.preemption`).
+line; `--verbose` or ESS_JAX_VERBOSE=1 shows the traceback. SIGTERM (preemption) and Ctrl-C write
+a checkpoint, print one `stopped:` line and exit with 143 and 130 (`ess_jax.rl.preemption`: a
+second Ctrl-C quits at once). A Ctrl-C while the run loads its model and data (nothing to
+save yet) prints one `stopped:` line and exits with 130 too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from absl import app, flags
@@ -95,9 +98,12 @@ def main(argv) -> None:
         if _verbose():
             raise
         _exit(str(e))
-    except KeyboardInterrupt as e:  # SIGTERM (preemption.Preempted): the checkpoint is written
-        if not getattr(e, "exit_code", None):
-            raise  # Ctrl-C
+    except KeyboardInterrupt as e:  # SIGTERM or Ctrl-C (preemption.Preempted): checkpoint written
+        if not getattr(e, "exit_code", None):  # Ctrl-C outside the steps' handler
+            if _verbose():
+                raise
+            msg = "Ctrl-C while loading or closing the run; rerun the same command to resume"
+            _exit(f"{msg} from the last checkpoint, if any", 128 + signal.SIGINT, "stopped: ")
         _exit(f"{e}; rerun the same command to resume", e.exit_code, prefix="stopped: ")
     print(f"done: metrics in {_WORKDIR.value}/metrics.jsonl, curves in {png}")
 

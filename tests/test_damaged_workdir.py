@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
@@ -100,6 +101,66 @@ def test_bad_metrics_line_before_the_last_names_the_file_and_line(tmp_path):
     assert not (tmp_path / "metrics.jsonl.torn").exists()
     with pytest.raises(SystemExit, match=f"{path} line 3 is not a JSON row"):
         run_stats.read_rows(str(path))
+
+
+def tensorboard_scalars(tb_dir) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of every scalar event under `tb_dir`, its files read in name order
+    (as TensorBoard does), as any raw reader sees them: each TFRecord parsed here, no purge."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = []
+    for name in sorted(os.listdir(tb_dir)):
+        with open(os.path.join(tb_dir, name), "rb") as f:
+            data = f.read()
+        i = 0
+        while i + 12 <= len(data):
+            n = int.from_bytes(data[i : i + 8], "little")
+            if i + 16 + n > len(data):
+                break  # a cut last record
+            e = Event.FromString(data[i + 12 : i + 12 + n])
+            out += [(v.tag, e.step, v.simple_value) for v in e.summary.value]
+            i += 16 + n
+    return out
+
+
+def assert_tensorboard_holds_the_rows(workdir):
+    """Each (tag, step) once in `workdir`'s TensorBoard events, in rising steps per tag across
+    the files in name order, with the value of metrics.jsonl's row (float32: TensorBoard's)."""
+    scalars = tensorboard_scalars(os.path.join(workdir, "tb"))
+    expected = sorted(
+        (k, r["step"], float(np.float32(v)))
+        for r in read_metrics(str(workdir))
+        for k, v in r.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
+    assert sorted(scalars) == expected
+    for tag in {t for t, _, _ in scalars}:
+        steps = [s for t, s, _ in scalars if t == tag]
+        assert steps == sorted(set(steps)), (tag, steps)  # no step goes back: no restart seen
+
+
+def test_resume_purges_the_tensorboard_events_of_the_steps_it_redoes(tmp_path):
+    """Catches a resume that leaves TensorBoard two events for the steps it redoes (those from
+    its checkpoint on: a kill -9 after the last checkpoint) while metrics.jsonl keeps one, the
+    kept events lost when the resumed writer opens a file of the same name (runs started within
+    one second), a cut last event record (a kill mid-write) blocking the resume, or the kept
+    events in a file that sorts after the resumed writer's (TensorBoard reads the later steps
+    first, then takes the earlier ones for a restart and drops the later)."""
+    rows = lambda steps, r: [{"step": s, "reward_mean": r + 0.1 * s, "ess": 0.5} for s in steps]
+    writer = MetricsWriter(str(tmp_path), resume_step=0)
+    for row in rows(range(5), 0.0):
+        writer.write(row)
+    writer.close()
+    (events,) = os.listdir(tmp_path / "tb")
+    with open(tmp_path / "tb" / events, "ab") as f:
+        f.write(bytes(12) + b"\x09\x00\x00")  # a record cut in its event (a kill mid-write)
+    for resume, r in ((3, 1.0), (4, 2.0)):  # the checkpoint at 3, then at 4
+        writer = MetricsWriter(str(tmp_path), resume_step=resume)
+        for row in rows(range(resume, 6), r):
+            writer.write(row)
+        writer.close()
+    assert read_metrics(str(tmp_path)) == rows(range(3), 0.0) + rows([3], 1.0) + rows([4, 5], 2.0)
+    assert_tensorboard_holds_the_rows(tmp_path)
 
 
 # ------------------------------------------------------------------------------ train.steps

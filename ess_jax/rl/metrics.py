@@ -3,6 +3,10 @@
 A run stopped mid-row (killed, disk full) leaves metrics.jsonl's last line cut: readers leave it
 out with a warning, and a resume moves its bytes to metrics.jsonl.torn before it writes on. A
 line before the last that does not parse is damage: MetricsError names the file and the line.
+
+A resume drops the rows of the steps it redoes (those from its checkpoint on) from both
+metrics.jsonl and the TensorBoard events in tb/ (`purge_tensorboard`), so each (tag, step) has
+one value there, the one metrics.jsonl holds.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import json
 import logging
 import math
 import os
+import socket
+import struct
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,7 +65,10 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter  # tensorboard events without TensorFlow
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+            tb = os.path.join(workdir, "tb")
+            if resume_step is not None:
+                purge_tensorboard(tb, resume_step)
+            self._tb = SummaryWriter(tb)
 
     def truncate_from(self, step: int) -> None:
         """Drop rows of step >= `step` (a resumed run rewrites them identically); a cut last
@@ -98,6 +108,67 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def _records(path: str) -> list[bytes]:
+    """An event file's TFRecords, each whole (length, its CRC, the event, its CRC), as written;
+    a cut last record (a run killed mid-write) is left out."""
+    with open(path, "rb") as f:
+        buf = f.read()
+    out, i = [], 0
+    while i + 12 <= len(buf):
+        end = i + 12 + struct.unpack_from("<Q", buf, i)[0] + 4
+        if end > len(buf):
+            break
+        out.append(buf[i:end])
+        i = end
+    return out
+
+
+def purge_tensorboard(tb_dir: str, step: int) -> None:
+    """Drop the events of step >= `step` from the event files in `tb_dir` (a resume from
+    checkpoint `step` writes them again), and duplicates of a (tags, step) left by older runs
+    (the last one kept).
+
+    The files are rewritten, not marked: tensorboardX's `purge_step` (a SessionLog.START event)
+    hides the old events from TensorBoard alone, while other readers (tbparse, pandas exports,
+    `summary_iterator`) would see both. The kept records are copied byte for byte (their wall
+    times, their CRCs: no pure-Python CRC) into one file named a second before now, so that it
+    sorts before the one the resumed writer opens (TensorBoard reads a directory's files in name
+    order and takes a step that goes back for a restart), and the old files go only once it is
+    in place: a crash between leaves duplicates the next resume drops."""
+    if not os.path.isdir(tb_dir):
+        return
+    from google.protobuf.message import DecodeError
+    from tensorboardX.proto.event_pb2 import Event
+
+    names = sorted(f for f in os.listdir(tb_dir) if ".tfevents." in f)
+    kept: dict = {}  # key -> record, in the order of each key's last occurrence
+    for name in names:
+        for rec in _records(os.path.join(tb_dir, name)):
+            try:
+                e = Event.FromString(rec[12:-4])
+            except DecodeError:
+                break  # not an event: the rest of this file is unreadable
+            what = e.WhichOneof("what")
+            if what == "file_version":
+                kept.setdefault("file_version", rec)
+                continue
+            if e.step >= step:
+                continue
+            key = (e.step, *sorted(v.tag for v in e.summary.value)) if what == "summary" else rec
+            kept.pop(key, None)
+            kept[key] = rec
+    target = None
+    if len(kept) > ("file_version" in kept):  # more than a header
+        target = f"events.out.tfevents.{int(time.time()) - 1:010d}.{socket.gethostname()}"
+        tmp = os.path.join(tb_dir, ".purge.tmp")
+        with open(tmp, "wb") as f:
+            f.write(b"".join(kept.values()))
+        os.replace(tmp, os.path.join(tb_dir, target))
+    for name in names:
+        if name != target:
+            os.remove(os.path.join(tb_dir, name))
 
 
 def read_metrics(path: str) -> list[dict]:

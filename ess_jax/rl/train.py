@@ -239,7 +239,7 @@ class Run:
         self.step_start = (self.batcher.state(), int(self.state.step))
         version, params_b = self.history.behaviour()
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
-        with preemption.interruptible():  # SIGTERM: the step is redone from its start state
+        with preemption.interruptible():  # a signal: the step is redone from its start state
             rollout, metrics = dynamic_sampling.collect_batch(
                 lora_policy.source(
                     self.model_cfg, self.state.frozen, params_b, version, self.rollout_cfg.precision
@@ -324,7 +324,7 @@ class Run:
 
     def run(self) -> str:
         try:
-            with preemption.on_sigterm(), workdir_lib.write_errors(self.workdir):
+            with preemption.on_stop_signals(), workdir_lib.write_errors(self.workdir):
                 return self._run()
         finally:
             self.close()
@@ -362,7 +362,7 @@ class Run:
                 bar.set_postfix_str(progress_postfix(row))
                 if (step + 1) % t.checkpoint_every == 0:
                     self.save(step + 1)
-                preemption.check()  # a SIGTERM held during the step stops here
+                preemption.check()  # a SIGTERM or Ctrl-C held during the step stops here
             step = t.steps
             if self.config.eval.every:
                 self._eval(writer, step)
