@@ -2,8 +2,8 @@
 advantages (advantages.py), the jitted SFT and RL steps (steps.py), the SFT warm start
 (sft.py), held-out pass@k (heldout.py), the optimizer (optim.py), metrics and plots
 (metrics.py), the run's parts built from the config (experiment.py), run-health warnings
-(health.py), SIGTERM handling (preemption.py), a saved run's policy (saved_policy.py) and the
-loop itself (train.py).
+(health.py), SIGTERM and Ctrl-C handling (preemption.py), a saved run's policy
+(saved_policy.py) and the loop itself (train.py).
 
 `Run`, `run` and `validate` load on first use, so that a jax-free module of this package
 (metrics.py: reading metrics.jsonl, as experiments/ does) imports without jax."""
