@@ -134,6 +134,8 @@ def _reference(name, scope, params, batch, order=None):
         "kl_behaviour": np.sum(weight * kl_b),
         "entropy_proxy": -np.sum(weight * logp),
         "nonfinite_frac": 0.0,  # every log-prob here is finite
+        "lr_beyond_clamp_low": np.sum(weight * (lr < -10)),  # k3's exponent clamp
+        "lr_beyond_clamp_high": np.sum(weight * (lr > 10)),
     }
     metrics.update({k: np.mean(v) for k, v in ess.items() if v})  # the logged mean over M
     # the mismatch metrics are the whole batch's, whatever the split: catches them taken from

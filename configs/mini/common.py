@@ -61,6 +61,8 @@ OBJECTIVES = {
     "p3o_cap_only": {"name": "p3o", "p3o_drop_kl": True},  # no (1 - ESS) KL term
     "p3o_kl_only": {"name": "p3o", "p3o_drop_cap": True},  # weight sg(rho), KL kept
     "p3o_k3_is": {"name": "p3o", "kl_estimator": "k3_is"},  # unbiased for KL(pi || pi_b)
+    # k3 continued along its tangent past the +-10 clamp (no sign flip of its gradient below -10)
+    "p3o_k3_tangent": {"name": "p3o", "kl_estimator": "k3_tangent"},
     "p3o_forward": {"name": "p3o", "kl_estimator": "forward"},  # unbiased for KL(pi_b || pi)
     "p3o_full": {"name": "p3o", "kl_estimator": "full"},  # exact KL(pi || pi_b) over the vocab
     "m2po": {"name": "m2po"},  # second-moment mask on log rho, threshold 0.04 (AReaL's)

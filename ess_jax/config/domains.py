@@ -185,8 +185,8 @@ ADVANTAGE_MODES = ("grpo", "drgrpo", "rloo")
 
 # The objective's string knobs (meanings: ess_jax/objectives/config.py and kl.py, whose
 # KL_ESTIMATORS implement every kl_estimator name but "full", the re-scored exact KL).
-KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "k3_is", "forward", "full")
-REF_KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "k3_tangent", "k3_is", "forward", "full")
+REF_KL_ESTIMATORS = ("k1", "k2", "k3", "k3_tangent")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 DUAL_VERSIONS = ("two_kl", "mixture")
 IS_LEVELS = ("token", "sequence")

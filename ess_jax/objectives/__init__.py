@@ -39,6 +39,7 @@ from ess_jax.objectives.kl import (
     kl_k2,
     kl_k3,
     kl_k3_is,
+    kl_k3_tangent,
     kl_on_support,
 )
 from ess_jax.objectives.losses import (
@@ -94,6 +95,7 @@ __all__ = [
     "kl_forward",
     "kl_k3",
     "kl_k3_is",
+    "kl_k3_tangent",
     "kl_on_support",
     "cispo",
     "decoupled_ppo",

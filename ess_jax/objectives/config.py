@@ -34,9 +34,9 @@ class ObjectiveConfig:
     # "step" (invariant to micro-batching) | "microbatch" (reference code default) |
     # "microbatch_local" (per-micro-batch denominators too); see scopes.py
     ess_scope: str = "step"
-    # KL to pi_b / pi_prox / pi_mix: k1 | k2 | k3 | k3_is | forward | full (p3o only)
+    # KL to pi_b / pi_prox / pi_mix: k1 | k2 | k3 | k3_tangent | k3_is | forward | full (p3o only)
     kl_estimator: str = "k3"
-    ref_kl_estimator: str = "k3"  # KL to the frozen reference (beta_kl): k1 | k2 | k3
+    ref_kl_estimator: str = "k3"  # KL to the frozen reference (beta_kl): k1 | k2 | k3 | k3_tangent
     aggregation: str = "token_mean"  # see AGGREGATIONS
     constant_normalizer: float = 1.0  # "constant": sum / (num_seqs * constant_normalizer)
     clip_eps_low: float = 0.2  # grpo/dapo/cispo/gspo/decoupled_ppo (paper clips for dapo/gspo)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.objectives.config import ObjectiveConfig
-from ess_jax.objectives.kl import effective_sample_size, get_kl_estimator, kl_k3
+from ess_jax.objectives.kl import K3_EXP_CLAMP, effective_sample_size, get_kl_estimator, kl_k3
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -52,6 +52,8 @@ METRIC_KEYS = (
     "kl_behaviour",
     "entropy_proxy",
     "nonfinite_frac",
+    "lr_beyond_clamp_low",
+    "lr_beyond_clamp_high",
     "loss",
 )
 # Train/sampler mismatch of a whole update batch (`mismatch_metrics`); rl/train.py reports a
@@ -256,6 +258,8 @@ def finish(
     loss = jnp.sum(c.loss_w * loss_BxT)
     rho = sg(c.rho)
     outside = (rho > 1.0 + NOMINAL_CLIP) | (rho < 1.0 - NOMINAL_CLIP)
+    # Where k3's exponent is clamped (kl.K3_EXP_CLAMP): below -10 its gradient has the wrong sign.
+    log_ratio = sg(c.log_ratio)
     metrics.update(
         ess=c.stats["ess"],
         ratio_mean=jnp.sum(c.metric_w * rho),
@@ -265,6 +269,8 @@ def finish(
         kl_behaviour=jnp.sum(c.metric_w * kl_k3(sg(c.logp), c.blogp)),
         entropy_proxy=-jnp.sum(c.metric_w * sg(c.logp)),
         nonfinite_frac=jnp.sum(c.dropped) / jnp.maximum(c.stats["num_tokens"], 1.0),
+        lr_beyond_clamp_low=jnp.sum(c.metric_w * (log_ratio < -K3_EXP_CLAMP)),
+        lr_beyond_clamp_high=jnp.sum(c.metric_w * (log_ratio > K3_EXP_CLAMP)),
         pg_loss=jnp.sum(c.loss_w * sg(pg_BxT)),
         loss=sg(loss),
     )

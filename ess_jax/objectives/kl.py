@@ -4,8 +4,9 @@ truncated distribution); all in float32.
 
 Axis alphabet: B batch, T time, V vocab. Sampled-token estimators take the log-prob of the
 realised token under the current policy (`logp`) and under the other policy (`other_logp`),
-for tokens drawn from pi_b (Schulman's k1/k2/k3, and the importance-weighted `k3_is` and
-`forward`); each docstring gives the estimator's mean over y ~ pi_b when pi_other = pi_b.
+for tokens drawn from pi_b (Schulman's k1/k2/k3, `k3_tangent`: k3 continued past its clamp,
+and the importance-weighted `k3_is` and `forward`); each docstring gives the estimator's mean
+over y ~ pi_b when pi_other = pi_b.
 """
 
 from __future__ import annotations
@@ -41,6 +42,25 @@ def kl_k3(logp: jax.Array, other_logp: jax.Array) -> jax.Array:
     other_logp = other_logp.astype(jnp.float32)
     expo = jnp.clip(other_logp - logp, -K3_EXP_CLAMP, K3_EXP_CLAMP)
     return (logp - other_logp) + jnp.exp(expo) - 1.0
+
+
+def kl_k3_tangent(logp: jax.Array, other_logp: jax.Array) -> jax.Array:
+    """k3 inside |log(pi / pi_other)| < 10 (K3_EXP_CLAMP), its tangent at +-10 beyond.
+
+    Past the clamp k3's exponent is constant, so its gradient in logp is +1 on both sides: at
+    log ratio x > 10 nearly the true 1 - e^-x, at x < -10 the opposite sign of the true
+    1 - e^-x (-1.6e5 at x = -12): the term then pushes pi(y) further below pi_b(y) (docs/
+    method.md, "KL estimators"). Here, with c = clip(x, -10, 10), the estimate beyond is
+    g(c) + g'(c) (x - c), g(x) = x + e^-x - 1, g'(c) = 1 - e^-c (as `k3_is` and `forward` are
+    continued past +-20): value and gradient continuous at +-10, the gradient beyond is
+    1 - e^10 ~ -2.2e4 below -10 (the true sign, bounded) and 1 - e^-10 above, and no exp() can
+    overflow. Inside it is `kl_k3` itself, value and gradient to the bit. Over y ~ pi_b it is
+    k3's divergence while no token is beyond the clamp, biased low where one is."""
+    log_r = kl_k1(logp, other_logp)
+    c = jax.lax.stop_gradient(jnp.clip(log_r, -K3_EXP_CLAMP, K3_EXP_CLAMP))
+    slope = 1.0 - jnp.exp(-c)
+    tangent = (c + jnp.exp(-c) - 1.0) + slope * (log_r - c)
+    return jnp.where(jnp.abs(log_r) < K3_EXP_CLAMP, kl_k3(logp, other_logp), tangent)
 
 
 # The log of the importance weight pi / pi_other in `k3_is` and `forward` is clamped as every
@@ -110,13 +130,14 @@ KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "k1": kl_k1,
     "k2": kl_k2,
     "k3": kl_k3,
+    "k3_tangent": kl_k3_tangent,
     "k3_is": kl_k3_is,
     "forward": kl_forward,
 }
 # ObjectiveConfig.ref_kl_estimator (config/domains.py's REF_KL_ESTIMATORS): the frozen reference
 # is not the policy the tokens come from (pi_b), so the weight pi / pi_ref of k3_is and forward
 # corrects for the wrong sampler (and grows without bound as pi leaves pi_ref); the reference KL
-# keeps k1 / k2 / k3.
+# keeps the unweighted k1 / k2 / k3 / k3_tangent.
 
 
 def get_kl_estimator(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
