@@ -69,6 +69,11 @@ OBJECTIVES = {
     "grpo_tis": {"name": "grpo_tis", "is_cap": 2.0},  # GRPO clip 0.2 vs pi_old, min(w, 2)
     # lr x sqrt(ESS/B), OPOB baseline, sequence IS at 8; seq-mean-token-mean as their scripts
     "vcpo": {"name": "vcpo", "aggregation": "seq_mean_token_mean"},
+    # Newer mismatch baselines (objectives/correction.py), each at its source's defaults:
+    "dppo": {"name": "dppo"},  # prime-rl: TV mask 0.2 / 0.2 by sign of A, 1e-3 (log rho)^2
+    "icepop": {"name": "icepop"},  # w_t = pi_old / pi_b kept in [0.5, 5], else 0 (OpenRLHF)
+    "seq_mis": {"name": "seq_mis"},  # sequence prod_t w_t kept in [0.5, 2] (verl's Seq-MIS)
+    "geo_rs": {"name": "geo_rs"},  # sequence geometric-mean w in [0.999, 1.001] (verl's Geo-RS)
 }
 
 

@@ -132,6 +132,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.m2_threshold = 0.04  # m2po: bound on the kept tokens' mean (log rho)^2 (AReaL)
     c.objective.vcpo_base_ess_ratio = 1.0  # vcpo: lr x sqrt(min(1, (ESS/B) / this)) (theirs)
     c.objective.vcpo_is_cap = 8.0  # vcpo: sequence IS weight truncation (rollout_is_threshold)
+    # dppo: mask A > 0 tokens with pi - pi_b > high, A <= 0 ones with pi - pi_b < -low; kl_tau
+    # weighs (log rho)^2 (prime-rl's defaults)
+    c.objective.dppo_mask_low = 0.2
+    c.objective.dppo_mask_high = 0.2
+    c.objective.dppo_kl_tau = 1e-3
+    # kept bands of w = pi_old / pi_b: icepop per token, seq_mis its product over the sequence,
+    # geo_rs its geometric mean over the sequence (OpenRLHF's and verl's defaults)
+    c.objective.icepop_low = 0.5
+    c.objective.icepop_high = 5.0
+    c.objective.seq_mis_low = 0.5
+    c.objective.seq_mis_high = 2.0
+    c.objective.geo_rs_low = 0.999
+    c.objective.geo_rs_high = 1.001
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-5

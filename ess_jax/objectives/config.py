@@ -67,6 +67,21 @@ class ObjectiveConfig:
     # sequence IS weight truncated at vcpo_is_cap (their rollout_is_threshold, 8.0).
     vcpo_base_ess_ratio: float = 1.0
     vcpo_is_cap: float = 8.0
+    # dppo (objectives/correction.py): a token is masked when A > 0 and pi - pi_b > dppo_mask_high,
+    # or A <= 0 and pi - pi_b < -dppo_mask_low; dppo_kl_tau weighs (log rho)^2 (prime-rl's
+    # DefaultLossConfig: 0.2, 0.2, 1e-3).
+    dppo_mask_low: float = 0.2
+    dppo_mask_high: float = 0.2
+    dppo_kl_tau: float = 1e-3
+    # Kept bands of w = pi_old / pi_b (0 low: no lower edge): icepop per token (OpenRLHF's
+    # 0.5, 5), seq_mis the product over a sequence and geo_rs its geometric mean (verl's
+    # decoupled_seq_is_rs 0.5, 2 and decoupled_geo_rs 0.999, 1.001).
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    seq_mis_low: float = 0.5
+    seq_mis_high: float = 2.0
+    geo_rs_low: float = 0.999
+    geo_rs_high: float = 1.001
 
     def __post_init__(self):
         choices = {
@@ -98,6 +113,13 @@ class ObjectiveConfig:
         for field in ("vcpo_base_ess_ratio", "vcpo_is_cap"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
+        for field in ("dppo_mask_low", "dppo_mask_high", "dppo_kl_tau"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+        for band in ("icepop", "seq_mis", "geo_rs"):
+            low, high = getattr(self, f"{band}_low"), getattr(self, f"{band}_high")
+            if not 0.0 <= low < high:
+                raise ValueError(f"need 0 <= {band}_low < {band}_high, got {low}, {high}")
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ObjectiveConfig))

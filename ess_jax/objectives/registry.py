@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from ess_jax.objectives import losses, vcpo
+from ess_jax.objectives import correction, losses, vcpo
 from ess_jax.objectives.config import FIELDS, FULL_KL, ObjectiveConfig
 from ess_jax.objectives.core import Batch, Metrics
 
@@ -108,6 +108,25 @@ OBJECTIVES: dict[str, Objective] = _records(
         batch_pass=vcpo.batch_pass,
     ),
     Objective("reinforce", losses.reinforce),
+    # Newer train/inference-mismatch baselines (objectives/correction.py, docs/method.md).
+    Objective(
+        "dppo",
+        correction.dppo,
+        fields=("dppo_mask_low", "dppo_mask_high", "dppo_kl_tau"),
+        no_full_kl="its penalty is prime-rl's (log rho)^2 on the sampled token",
+    ),
+    Objective(
+        "icepop", correction.icepop, fields=(*_CLIPS, "icepop_low", "icepop_high"), needs_prox=True
+    ),
+    Objective(
+        "seq_mis",
+        correction.seq_mis,
+        fields=(*_CLIPS, "seq_mis_low", "seq_mis_high"),
+        needs_prox=True,
+    ),
+    Objective(
+        "geo_rs", correction.geo_rs, fields=(*_CLIPS, "geo_rs_low", "geo_rs_high"), needs_prox=True
+    ),
 )
 
 
