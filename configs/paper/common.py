@@ -35,7 +35,12 @@ QWEN3_8B = "/path/to/Qwen3-8B"
 DEEPSCALER = "/path/to/deepscaler"
 PRESETS = (*presets.PRESETS, "tiny")
 FITS_ALL = tuple(presets.PRESETS)
-BATCHING = {"8xh100": (4, 16), "8xh200": (8, 32), "v5p-8": (4, 16), "v5e-16": (1, 4)}
+# Qwen3-4B at 4K new tokens: every preset but v5e-8 (tools/plan_memory.py)
+FITS_4B = tuple(p for p in presets.PRESETS if p != "v5e-8")
+BATCHING = {  # rows per device: (train micro-batch, sampler call) at 4K new tokens
+    "8xh100": (4, 16), "8xh200": (8, 32), "v5p-8": (4, 16), "v5e-16": (1, 4), "v4-8": (2, 8),
+    "v5e-8": (1, 4), "v6e-8": (2, 8), "tpu7x-8": (4, 16), "v5p-64": (4, 16), "v5e-256": (1, 4),
+}  # fmt: skip
 # DAPO arms resample as in the DAPO paper (configs/mini masks the constant groups instead): up
 # to this many extra rounds of 256 fresh prompts refill the groups whose rewards are all equal.
 # 4 fills the batch while up to 80% of groups are constant and bounds a step's sampling at 5x

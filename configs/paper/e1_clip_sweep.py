@@ -21,7 +21,7 @@ exact lr per run, ESS scope (step here; common.py).
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "grpo_eps0.4", "grpo_eps0.6", "dapo", "cispo", "gspo", "p3o", "p3o_dual")
-PRESETS = common.FITS_ALL
+PRESETS = common.FITS_4B  # v5e-8: does not fit (tools/plan_memory.py)
 
 
 def get_config(arg: str | None = None):

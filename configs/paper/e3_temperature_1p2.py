@@ -14,7 +14,7 @@ in-run eval here uses 0.6).
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "grpo_eps0.6", "p3o", "p3o_cap_only", "p3o_kl_only", "grpo_tis")
-PRESETS = common.FITS_ALL
+PRESETS = common.FITS_4B  # v5e-8: does not fit (tools/plan_memory.py)
 
 
 def get_config(arg: str | None = None):

@@ -13,7 +13,7 @@ the paper. Unknown: seeds, lr per run, the step of collapse.
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "grpo_eps0.6", "p3o", "p3o_cap_only", "p3o_kl_only", "grpo_tis")
-PRESETS = common.FITS_ALL
+PRESETS = common.FITS_4B  # v5e-8: does not fit (tools/plan_memory.py)
 
 
 def get_config(arg: str | None = None):

@@ -20,7 +20,7 @@ ARMS = tuple(
     for t in ("1.0", "1.2")
     for objective in ("p3o", "p3o_dual_two_kl", "p3o_dual_mixture")
 )
-PRESETS = common.FITS_ALL
+PRESETS = common.FITS_4B  # v5e-8: does not fit (tools/plan_memory.py)
 
 
 def get_config(arg: str | None = None):

@@ -14,7 +14,7 @@ DeepScaleR, T=1.
 from configs.paper import common
 
 ARMS = ("grpo_eps0.2", "p3o", "p3o_dual_mixture", "grpo_tis")
-PRESETS = common.FITS_ALL
+PRESETS = common.FITS_4B  # v5e-8: does not fit (tools/plan_memory.py)
 
 
 def get_config(arg: str | None = None):

@@ -28,9 +28,35 @@ import os
 from ess_jax.config.schema import UserError
 
 GB = 1e9
-# Accelerator memory per device, decimal GB as the vendors state it (H100 SXM 80 GB, H200 141 GB,
-# TPU v5p 95 GB per chip, TPU v5e 16 GB per chip, TPU v4 32 GB per chip).
-HBM = {"h100": 80 * GB, "h200": 141 * GB, "v5p": 95 * GB, "v5e": 16 * GB, "v4": 32 * GB}
+GIB = 2**30
+# Accelerator memory per JAX device, as the vendors state it per chip (H100 SXM 80 GB, H200
+# 141 GB; TPUs: CHIPS below), divided among the chip's devices as libtpu describes them.
+HBM = {"h100": 80 * GB, "h200": 141 * GB}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """A TPU generation's per-chip figures, as Google's Cloud TPU pages state them
+    (docs.cloud.google.com/tpu/docs/{v4,v5e,v5p-training,v6e,tpu7x}), and the JAX devices per
+    chip on a TPU VM: one, or TPU7x's two chiplets. (v4's two TensorCores are one megacore
+    device on a VM, as HBM counts them; libtpu's ahead-of-time description lists each
+    TensorCore as a device, so tools/compile_tpu.py cannot compile the v4 preset.)"""
+
+    hbm: float  # bytes per chip
+    bf16_flops: float  # peak dense bf16 flop/s per chip
+    hbm_bandwidth: float  # bytes/s per chip
+    ici_bandwidth: float | None  # bidirectional inter-chip bytes/s per chip (v4: not stated)
+    devices_per_chip: int = 1
+
+
+CHIPS = {
+    "v4": Chip(32 * GIB, 275e12, 1200e9, None),
+    "v5e": Chip(16 * GB, 197e12, 819e9, 400e9),
+    "v5p": Chip(95 * GB, 459e12, 2765e9, 1200e9),
+    "v6e": Chip(32 * GB, 918e12, 1638e9, 800e9),
+    "tpu7x": Chip(192 * GIB, 2307e12, 7380e9, 1200e9, 2),
+}
+HBM.update({kind: chip.hbm / chip.devices_per_chip for kind, chip in CHIPS.items()})
 GPUS = ("h100", "h200")
 
 # The share of each device's memory a run may fill; the rest is left to XLA's workspace,
@@ -91,17 +117,27 @@ def set_memory_fraction(environ=None) -> None:
 @dataclasses.dataclass(frozen=True)
 class Preset:
     device: str  # a key of HBM
-    num_devices: int  # JAX devices (one per GPU / TPU chip)
+    num_devices: int  # JAX devices (one per GPU; per TPU chip, or TensorCore: Chip)
     num_hosts: int
     mesh: dict  # sharding.MESH_AXES -> size
+    topology: str | None = None  # TPUs: libtpu's name (tools/compile_tpu.py compiles for it)
 
 
+# TPU slices are named as Google names them: v4 and v5p by TensorCores (v5p-8: 4 chips), v5e,
+# v6e and TPU7x by chips. Meshes: FSDP over the chips while params, AdamW moments and the
+# sampler's bf16 copy fit; tensor parallelism where the sample layout (params / tensor per
+# device) would not fit 16 GB devices; data parallelism across the pods' remaining chips.
 PRESETS: dict[str, Preset] = {
     "8xh100": Preset("h100", 8, 1, {"data": 1, "fsdp": 8, "tensor": 1}),
     "8xh200": Preset("h200", 8, 1, {"data": 1, "fsdp": 8, "tensor": 1}),
-    # a v5p-8 slice is 4 chips (8 TensorCores, one JAX device per chip) on one host
-    "v5p-8": Preset("v5p", 4, 1, {"data": 1, "fsdp": 4, "tensor": 1}),
-    "v5e-16": Preset("v5e", 16, 4, {"data": 1, "fsdp": 4, "tensor": 4}),
+    "v5p-8": Preset("v5p", 4, 1, {"data": 1, "fsdp": 4, "tensor": 1}, "v5p:2x2x1"),
+    "v5e-16": Preset("v5e", 16, 4, {"data": 1, "fsdp": 4, "tensor": 4}, "v5e:4x4"),
+    "v4-8": Preset("v4", 4, 1, {"data": 1, "fsdp": 1, "tensor": 4}, "v4:2x2x1"),
+    "v5e-8": Preset("v5e", 8, 2, {"data": 1, "fsdp": 2, "tensor": 4}, "v5e:2x4"),
+    "v6e-8": Preset("v6e", 8, 2, {"data": 1, "fsdp": 4, "tensor": 2}, "v6e:2x4"),
+    "tpu7x-8": Preset("tpu7x", 8, 1, {"data": 1, "fsdp": 8, "tensor": 1}, "tpu7x:2x2x1"),
+    "v5p-64": Preset("v5p", 32, 8, {"data": 8, "fsdp": 4, "tensor": 1}, "v5p:4x4x2"),
+    "v5e-256": Preset("v5e", 256, 64, {"data": 16, "fsdp": 4, "tensor": 4}, "v5e:16x16"),
 }
 
 

@@ -133,7 +133,10 @@ def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, ne
     st = _static(cfg, n, new, temperature, kv)
     prefill, dec = sampler_lib.programs(scfg, st, mesh)
     width = sampler_lib.bucket_length(prompt)
-    sh = sharding_lib.batch_sharding(mesh)
+    spec = sharding_lib.logical_to_spec(  # as the sampler places its prompts (sampler._place)
+        ("batch", None), (prompts, width), mesh, sharding_lib.SAMPLE_RULES
+    )
+    sh = jax.sharding.NamedSharding(mesh, spec)
     toks = jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=sh)
     mask = jax.ShapeDtypeStruct((prompts, width), jnp.bool_, sharding=sh)
     scalars = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
@@ -191,6 +194,16 @@ def run_programs(config, mesh) -> list[Program]:
     rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch
     batch = _batch(rows, prompt, length, mesh)
     objective_cfg = obj_lib.objective_config(config.objective.to_dict())
+    needs_prox = obj_lib.needs_prox(objective_cfg)
+    used = {"prox_logp": needs_prox, "ref_logp": config.objective.beta_kl > 0}
+    scored = [k for k, on in used.items() if on]
+    if objective_cfg.kl_estimator == obj_lib.FULL_KL:
+        raise ValueError(
+            "objective.kl_estimator 'full': its step's re-score of pi_b is not built here yet "
+            "(no paper arm uses it)"
+        )
+    for k in scored:  # the scoring pass's outputs, added to the batch before the updates
+        batch[k] = batch["behaviour_logp"]
     bsh = sharding_lib.batch_sharding(mesh)
     step = steps.make_rl_step(cfg, tx, objective_cfg, t.num_microbatches, prompt, state_sh, bsh,
                               seed=config.seed, group_size=int(r.group_size))  # fmt: skip
@@ -199,8 +212,7 @@ def run_programs(config, mesh) -> list[Program]:
         Program("rl_step", step, (state, batch), held + _bytes(batch) + train_terms,
                 beside_train, t.num_microbatches)
     ]  # fmt: skip
-    needs_prox = obj_lib.get_objective(objective_cfg.name).needs_prox
-    if needs_prox or config.objective.beta_kl > 0:
+    if scored:
         chunks = t.num_microbatches * t.updates_per_batch
         whole = _batch(rows * t.updates_per_batch, prompt, length, mesh)
         score_in = {k: whole[k] for k in _SEQUENCE}

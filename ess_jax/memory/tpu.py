@@ -11,7 +11,13 @@ measurement; it can be negative or meaningless, so `compile_run` passes it on as
 Traps the numbers carry (measured with libtpu 0.0.42.1):
   - a loop body (`lax.scan`, `while_loop`) is counted once in cost_analysis, not per trip:
     each row says its `loop_trips` (programs.Program);
-  - Pallas kernels are custom calls that cost_analysis does not count.
+  - Pallas kernels are custom calls that cost_analysis does not count;
+  - libtpu takes a lock file (/tmp/libtpu_lockfile) so that one process owns a real TPU; a
+    second compiling process fails with "multi-process lockfile". Compiling ahead of time uses
+    no TPU, so `topology_devices` sets ALLOW_MULTIPLE_LIBTPU_LOAD=1 (two test workers, or a
+    compile beside a run, would otherwise refuse each other);
+  - a program whose buffers exceed the device's HBM is refused by the compiler
+    (RESOURCE_EXHAUSTED: "... exceeds available HBM (15.75G)" on v5e): a row with that message.
 
 `compile_run(config, devices)` compiles every `programs.run_programs` program and returns one
 row per program; a program the compiler refuses is a row with its message, not a traceback.
@@ -20,6 +26,7 @@ row per program; a program the compiler refuses is a row with its message, not a
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -34,10 +41,9 @@ class TopologyError(ValueError):
 
 def topology_devices(name: str) -> list:
     """The abstract TPU devices of topology `name` (e.g. "v5p:2x2x1", "v5e:4x4")."""
-    try:
-        from jax.experimental import topologies
-    except ImportError as e:  # pragma: no cover (part of jax)
-        raise TopologyError(str(e)) from e
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU is used (above)
+    from jax.experimental import topologies
+
     try:
         return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
     except Exception as e:  # libtpu's errors are RuntimeError / XlaRuntimeError

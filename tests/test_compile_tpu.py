@@ -1,0 +1,148 @@
+"""tools/compile_tpu.py and ess_jax/memory/{programs,tpu}.py: a run's programs compiled for TPU
+slices on this CPU host (libtpu's ahead-of-time compiler, installed with the test extras).
+
+A one-layer embedded model with 8 prompts x 2 samples, 4 new tokens, one SFT step and eval in
+bfloat16: every kind of program a run has, each compiling in about a second.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import compile_tpu  # noqa: E402  (tools/compile_tpu.py)
+import plan_memory  # noqa: E402  (tools/plan_memory.py)
+
+TINY = '''
+from ess_jax.config.defaults import base_config
+
+
+def get_config(arg=None):
+    c = base_config()
+    c.model.num_layers = 1
+    c.data.prompts_per_step = 8
+    c.data.buckets = (16,)
+    c.rollout.group_size = 2
+    c.rollout.max_new_tokens = 4
+    c.objective.name = "grpo_tis"  # needs pi_prox: the scoring pass is a program
+    c.sft.steps = 1
+    c.sft.seq_len = 16
+    c.sft.batch_size = 8
+    c.eval.every = 1
+    c.eval.batch_size = 4
+    c.eval.k = 2
+    c.eval.max_new_tokens = 4
+    c.eval.precision = "bfloat16"
+    return c
+'''
+PROGRAMS = {"rl_step", "score", "sft_step", "reshard", "sampler_copy/bfloat16", "sample/prefill",
+            "sample/decode4", "eval/prefill", "eval/decode4"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "tiny_tpu.py"
+    path.write_text(TINY)
+    return str(path)
+
+
+def _compile(tiny, topology, tmp_path, capsys):
+    out = tmp_path / f"{topology}.json"
+    assert compile_tpu.main([f"--config={tiny}", f"--topology={topology}", f"--json={out}"]) == 0
+    capsys.readouterr()
+    return json.loads(out.read_text())
+
+
+def test_every_program_of_a_run_compiles_for_v5e(tiny, tmp_path, capsys):
+    """Catches a program of the run left out of the compile (the scoring pass, the SFT step,
+    eval's sampler or its copy in eval.precision), compiler bytes that are not arguments +
+    outputs + temporaries - aliases (the planner's count), a peak that leaves out what the run
+    holds beside a program, and decode rows whose loop trips are not their new tokens."""
+    rec = _compile(tiny, "v5e:2x2", tmp_path, capsys)
+    assert (rec["topology"], rec["devices"], rec["hosts"]) == ("v5e:2x2", 4, 1)
+    assert rec["device_kind"] == "TPU v5 lite" and rec["hbm_bytes"] == 16e9
+    progs = rec["programs"]
+    assert set(progs) == PROGRAMS
+    for name, p in progs.items():
+        m = p["memory"]
+        assert p["compiler_bytes"] == m["argument"] + m["output"] + m["temp"] - m["alias"], name
+        assert "error" not in p, name
+        # the planner does not model the forward-only scoring pass (memory/planner.py)
+        assert (p.get("planner_bytes", 0) > 0) == (name != "score"), name
+    peak = max(p["compiler_bytes"] + p["beside_bytes"] for p in progs.values())
+    assert rec["peak_bytes"] == peak and rec["fits"] and peak < rec["usable_bytes"]
+    # the train state lives beside the sampler (the planner's bytes of params and AdamW state):
+    # the sampler's rows carry it, the step's do not (it is the step's argument)
+    from ess_jax.memory import planner
+
+    plan = planner.plan(plan_memory.load_config(tiny), 4, "v5e")
+    assert progs["sample/prefill"]["beside_bytes"] == pytest.approx(sum(plan.resident.values()))
+    assert progs["rl_step"]["beside_bytes"] == 0
+    assert progs["sample/decode4"]["loop_trips"] == 3  # tokens 2..4; the prefill draws the first
+    assert progs["rl_step"]["flops"] > progs["sample/decode4"]["flops"] > 0
+
+
+def test_two_host_topology(tiny, tmp_path, capsys):
+    """Catches a mesh laid over one host's devices only, or a host count read wrongly, when the
+    topology spans two hosts (v5e:2x4: 8 chips, 2 hosts in libtpu's description)."""
+    rec = _compile(tiny, "v5e:2x4", tmp_path, capsys)
+    assert (rec["devices"], rec["hosts"]) == (8, 2)
+    assert rec["mesh"] == {"data": 1, "fsdp": -1, "tensor": 1}
+    assert all("error" not in p for p in rec["programs"].values()) and rec["fits"]
+
+
+def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
+    """Catches a compiler refusal (a program larger than HBM) escaping as a traceback that
+    loses the other programs' rows, and a record that says `fits` anyway."""
+    import jax
+    import jax.numpy as jnp
+
+    from ess_jax.config.defaults import base_config
+    from ess_jax.memory import programs, tpu
+
+    real = programs.run_programs
+
+    def with_a_huge_one(config, mesh):
+        huge = jax.jit(lambda x: jnp.broadcast_to(x, (2**33,)) * 2.0)  # 32 GB of temporaries
+        arg = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec()))  # fmt: skip
+        return [programs.Program("huge", huge, (arg,), 1.0)] + real(config, mesh)[:1]
+
+    monkeypatch.setattr(programs, "run_programs", with_a_huge_one)
+    c = base_config()
+    c.model.num_layers, c.data.buckets, c.rollout.max_new_tokens = 1, (16,), 4
+    c.data.prompts_per_step, c.rollout.group_size = 4, 2
+    rows = tpu.compile_run(c, tpu.topology_devices("v5e:2x2"), log=lambda _: None)
+    assert rows["huge"].compiler_bytes is None and "RESOURCE_EXHAUSTED" in rows["huge"].error
+    assert rows["rl_step"].compiler_bytes > 0
+    assert tpu.peak_bytes(rows) == rows["rl_step"].compiler_bytes + rows["rl_step"].beside_bytes
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config=configs/quickstart.py"], "no TPU preset after the arm"),
+        (["--config=configs/quickstart.py", "--topology=v9:2x2"], "topology 'v9:2x2'"),
+        (["--config=configs/paper/e2_qwen25_1p5b.py:p3o,v4-8"], "libtpu describes 8 devices"),
+    ],
+)
+def test_mistakes_are_one_line_exit_2(args, message, capsys):
+    """Catches a traceback for a config without a TPU preset, an unknown topology name, or a
+    preset whose device count libtpu describes differently (v4: TensorCores, not megacores)."""
+    os.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        compile_tpu.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_docs_table_is_the_committed_records():
+    """Catches docs/tpu.md edited by hand or stale against results/tpu/*.json (regenerate:
+    tools/compile_tpu.py --markdown --write=docs/tpu.md)."""
+    doc = os.path.join(ROOT, "docs", "tpu.md")
+    table = compile_tpu.markdown_table(compile_tpu.read_records())
+    assert plan_memory.table_in(doc, compile_tpu.BEGIN, compile_tpu.END) == table

@@ -1,0 +1,184 @@
+"""Compiles a run's programs for a TPU slice on this (CPU) host: the TPU compiler's per-device
+bytes and cost beside the memory planner's, without a TPU.
+
+    bash tools/install.sh --tpu          # libtpu, the TPU compiler
+    .venv/bin/python tools/compile_tpu.py --config=configs/paper/e3_temperature_1p2.py:p3o,v5p-8 \\
+        --json=results/tpu/e3_p3o_v5p-8.json
+    .venv/bin/python tools/compile_tpu.py --config=configs/quickstart.py --topology=v5e:2x2
+    .venv/bin/python tools/compile_tpu.py --markdown --write=docs/tpu.md   # table from results/tpu
+
+Builds every program a run of the config executes (ess_jax/memory/programs.py: the RL step,
+the scoring pass, the SFT step, the train -> sample reshard, the sampler copy or LoRA merge,
+the sampler's prefill and each decode segment, eval's), with abstract inputs (no weights
+loaded: the model's shapes from KNOWN_MODELS or a config.json) on the devices of the preset's
+topology (`presets.PRESETS[...].topology`) or of --topology, on the config's mesh, and
+compiles each with the TPU compiler (ess_jax/memory/tpu.py). A program the compiler refuses
+is a row with its message. --json writes
+`{"topology", "hbm_bytes", "fits", "programs": {name: {"compiler_bytes", "planner_bytes",
+"flops", "bytes_accessed", "optimal_seconds", ...}}}`: compiler_bytes are arguments + outputs +
+temporaries - aliases per device, as the planner counts; `fits` is whether every program
+compiled and the largest, with what the run holds beside it (`beside_bytes`), stays within
+presets.MEM_FRACTION of the device's HBM. Times are the compiler's estimates, never
+measurements; flops and bytes count a loop body once (`loop_trips` says how often it runs).
+Large programs take minutes each on two cores (a Qwen3-4B RL step: 5-10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # config files import configs.*
+    sys.path.insert(0, ROOT)
+
+from ess_jax.config import presets  # noqa: E402
+from ess_jax.config.schema import UserError, user_exit  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "results", "tpu")
+BEGIN = "<!-- tools/compile_tpu.py --markdown: begin -->"
+END = "<!-- tools/compile_tpu.py --markdown: end -->"
+
+
+def preset_of(spec: str) -> presets.Preset | None:
+    """The preset named after the arm of FILE:ARM,PRESET, if any."""
+    name = spec.partition(":")[2].split(",")[-1]
+    return presets.PRESETS.get(name)
+
+
+def compile_spec(spec: str, topology: str | None, log=print) -> dict:
+    """The JSON record of --config=`spec` compiled for `topology` (default: its preset's)."""
+    import plan_memory  # tools/plan_memory.py: config loading as the planner does it
+
+    from ess_jax.memory import tpu
+
+    config, refused = plan_memory.load_planned(spec)
+    preset = preset_of(spec)
+    topology = topology or (preset.topology if preset else None)
+    if topology is None:
+        raise UserError(f"--config={spec}: no TPU preset after the arm; pass --topology=NAME")
+    devices = tpu.topology_devices(topology)
+    n, hosts = tpu.device_count(devices)
+    if preset is not None and preset.topology == topology and n != preset.num_devices:
+        raise UserError(
+            f"topology {topology}: libtpu describes {n} devices, the preset has "
+            f"{preset.num_devices} (v4: one device per TensorCore here, one per megacore chip "
+            "on a TPU VM)"
+        )
+    kind = devices[0].device_kind
+    device = _device_key(kind)
+    rows = tpu.compile_run(config, devices, log=log)
+    usable = presets.HBM[device] * presets.memory_fraction(device, environ={})
+    peak = tpu.peak_bytes(rows)
+    return {
+        "config": spec,
+        "refused_by_config": refused,
+        "topology": topology,
+        "device_kind": kind,
+        "devices": n,
+        "hosts": hosts,
+        "mesh": dict(config.mesh),
+        "hbm_bytes": presets.HBM[device],
+        "usable_bytes": usable,
+        "peak_bytes": peak,
+        "fits": all(r.error is None for r in rows.values()) and peak <= usable,
+        "programs": {name: row.to_json() for name, row in rows.items()},
+    }
+
+
+def _device_key(kind: str) -> str:
+    """presets.HBM's key of a libtpu device kind ("TPU v5 lite" -> "v5e")."""
+    table = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e",
+             "TPU7x": "tpu7x"}  # fmt: skip
+    if kind not in table:
+        raise UserError(f"device kind {kind!r} has no HBM entry (ess_jax/config/presets.py)")
+    return table[kind]
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x / 1e9:.3g}"
+
+
+def markdown_table(records: list[dict]) -> str:
+    """One row per compiled program of each record: compiler vs planner bytes and cost."""
+    lines = [
+        "| config | topology | program | compiler GB | planner GB | planner error | "
+        "GFLOP (one loop body) | loop trips | compiler's time estimate (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rec in records:
+        for name, p in rec["programs"].items():
+            if "error" in p:
+                lines.append(f"| `{rec['config']}` | {rec['topology']} | {name} | refused: "
+                             f"{p['error'][:120]} | | | | | |")  # fmt: skip
+                continue
+            comp, plan = p.get("compiler_bytes"), p.get("planner_bytes")
+            err = f"{(plan - comp) / comp:+.0%}" if comp and plan is not None else "-"
+            flops = p.get("flops")
+            t = p.get("optimal_seconds")
+            lines.append(
+                f"| `{rec['config']}` | {rec['topology']} | {name} | {_gb(comp)} | {_gb(plan)} | "
+                f"{err} | {'-' if flops is None else f'{flops / 1e9:.3g}'} | {p['loop_trips']} | "
+                f"{'-' if t is None else f'{t:.3g}'} |"
+            )
+        verdict = "fits" if rec["fits"] else "does not fit"
+        lines.append(
+            f"| `{rec['config']}` | {rec['topology']} | **peak** | {_gb(rec['peak_bytes'])} of "
+            f"{_gb(rec['usable_bytes'])} usable: {verdict} | | | | | |"
+        )
+    return "\n".join(lines)
+
+
+def read_records(folder: str = RESULTS) -> list[dict]:
+    records = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path) as f:
+            records.append(json.load(f))
+    return records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="FILE[:ARM[,PRESET]]")
+    p.add_argument("--topology", help="libtpu topology name, e.g. v5p:2x2x1 (default: preset's)")
+    p.add_argument("--json", help="write the record here")
+    p.add_argument("--markdown", action="store_true", help="the table of results/tpu/*.json")
+    p.add_argument("--write", help="with --markdown: replace the table in this file")
+    args = p.parse_args(argv)
+    try:
+        if args.markdown:
+            import plan_memory
+
+            table = markdown_table(read_records())
+            print(table)
+            if args.write:
+                changed = plan_memory.write_table(args.write, table, BEGIN, END)
+                print(f"{args.write}: {'updated' if changed else 'already up to date'}")
+            return 0
+        if not args.config:
+            p.error("--config (or --markdown) is required")
+        from ess_jax.memory.tpu import TopologyError
+
+        try:
+            record = compile_spec(args.config, args.topology)
+        except TopologyError as e:
+            raise UserError(str(e)) from e
+    except UserError as e:
+        user_exit(e)
+    print(markdown_table([record]))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(args.json + ".tmp", args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
