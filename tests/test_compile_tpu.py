@@ -83,6 +83,29 @@ def test_every_program_of_a_run_compiles_for_v5e(tiny, tmp_path, capsys):
     assert progs["rl_step"]["beside_bytes"] == 0
     assert progs["sample/decode4"]["loop_trips"] == 3  # tokens 2..4; the prefill draws the first
     assert progs["rl_step"]["flops"] > progs["sample/decode4"]["flops"] > 0
+    assert progs["rl_step"]["collectives"]["all-gather"] > 0  # FSDP gathers the weights
+    assert progs["sample/prefill"]["collectives"] == {}  # the sample layout needs none
+
+
+def test_collective_bytes_of_known_programs():
+    """Catches a collective parser that misses an op, counts an async start's operand with its
+    output, or sizes arrays wrongly: a row-sharded f32[1024, 256] gathered to every device is
+    an all-gather of 1 MiB per device; its column sums, replicated, an all-reduce of 1 KiB."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ess_jax.memory import tpu
+    from ess_jax.parallel import sharding
+
+    mesh = sharding.make_mesh({"fsdp": 4}, tpu.topology_devices("v5e:2x2"))
+    rep = NamedSharding(mesh, PartitionSpec())
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32,
+                             sharding=NamedSharding(mesh, PartitionSpec("fsdp", None)))  # fmt: skip
+    gather = jax.jit(lambda x: x * 2, out_shardings=rep).lower(x).compile()
+    reduce = jax.jit(lambda x: x.sum(0), out_shardings=rep).lower(x).compile()
+    assert tpu.collective_bytes(gather.as_text()) == {"all-gather": 1024 * 256 * 4}
+    assert tpu.collective_bytes(reduce.as_text()) == {"all-reduce": 256 * 4}
 
 
 def test_two_host_topology(tiny, tmp_path, capsys):

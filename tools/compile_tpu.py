@@ -74,7 +74,14 @@ def compile_spec(spec: str, topology: str | None, log=print) -> dict:
     rows = tpu.compile_run(config, devices, log=log)
     usable = presets.HBM[device] * presets.memory_fraction(device, environ={})
     peak = tpu.peak_bytes(rows)
+    chip = presets.CHIPS[device]
+    per = chip.devices_per_chip
     return {
+        "per_device": {  # the vendor's per-chip figures over the chip's devices
+            "bf16_flops": chip.bf16_flops / per,
+            "hbm_bandwidth": chip.hbm_bandwidth / per,
+            "ici_bandwidth": None if chip.ici_bandwidth is None else chip.ici_bandwidth / per,
+        },
         "config": spec,
         "refused_by_config": refused,
         "topology": topology,
@@ -103,32 +110,54 @@ def _gb(x) -> str:
     return "-" if x is None else f"{x / 1e9:.3g}"
 
 
+def _collective(p: dict) -> float | None:
+    """All collective bytes of a program row; None for a record made without them."""
+    return None if "collectives" not in p else float(sum(p["collectives"].values()))
+
+
+def _estimates(p: dict, per_device: dict) -> tuple[str, str, str]:
+    """(MFU, HBM floor, ICI time) of one program row, from the compiler's one-loop-body
+    figures: MFU = flops / optimal_seconds / peak flop/s (the trip count cancels); the HBM
+    floor reads the program's arguments once at the device's bandwidth (a decode step: the
+    weights and the KV cache); ICI time = collective bytes / the bidirectional ICI bandwidth."""
+    t, flops = p.get("optimal_seconds"), p.get("flops")
+    mfu = f"{flops / t / per_device['bf16_flops']:.0%}" if flops and t and t > 0 else "-"
+    floor = f"{p['memory']['argument'] / per_device['hbm_bandwidth']:.3g}"
+    coll, ici = _collective(p), per_device.get("ici_bandwidth")
+    ici_s = "-" if coll is None or not ici else f"{coll / ici:.3g}"
+    return mfu, floor, ici_s
+
+
 def markdown_table(records: list[dict]) -> str:
-    """One row per compiled program of each record: compiler vs planner bytes and cost."""
+    """One row per compiled program of each record: compiler vs planner bytes, the compiler's
+    cost (one loop body) and the estimates drawn from it. Every time is the compiler's
+    estimate or a bandwidth floor, never a measurement."""
     lines = [
         "| config | topology | program | compiler GB | planner GB | planner error | "
-        "GFLOP (one loop body) | loop trips | compiler's time estimate (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "GFLOP | loop trips | compiler's time (s) | est. MFU | HBM floor (s) | "
+        "collectives GB | ICI time (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rec in records:
         for name, p in rec["programs"].items():
+            head = f"| `{rec['config']}` | {rec['topology']} | {name} |"
             if "error" in p:
-                lines.append(f"| `{rec['config']}` | {rec['topology']} | {name} | refused: "
-                             f"{p['error'][:120]} | | | | | |")  # fmt: skip
+                lines.append(f"{head} refused: {p['error'][:120]} |" + " |" * 9)
                 continue
             comp, plan = p.get("compiler_bytes"), p.get("planner_bytes")
             err = f"{(plan - comp) / comp:+.0%}" if comp and plan is not None else "-"
-            flops = p.get("flops")
-            t = p.get("optimal_seconds")
+            flops, t = p.get("flops"), p.get("optimal_seconds")
+            mfu, floor, ici_s = _estimates(p, rec["per_device"])
+            coll = _collective(p)
             lines.append(
-                f"| `{rec['config']}` | {rec['topology']} | {name} | {_gb(comp)} | {_gb(plan)} | "
-                f"{err} | {'-' if flops is None else f'{flops / 1e9:.3g}'} | {p['loop_trips']} | "
-                f"{'-' if t is None else f'{t:.3g}'} |"
+                f"{head} {_gb(comp)} | {_gb(plan)} | {err} | "
+                f"{'-' if flops is None else f'{flops / 1e9:.3g}'} | {p['loop_trips']} | "
+                f"{'-' if t is None else f'{t:.3g}'} | {mfu} | {floor} | {_gb(coll)} | {ici_s} |"
             )
         verdict = "fits" if rec["fits"] else "does not fit"
         lines.append(
             f"| `{rec['config']}` | {rec['topology']} | **peak** | {_gb(rec['peak_bytes'])} of "
-            f"{_gb(rec['usable_bytes'])} usable: {verdict} | | | | | |"
+            f"{_gb(rec['usable_bytes'])} usable: {verdict} |" + " |" * 9
         )
     return "\n".join(lines)
 

@@ -25,8 +25,10 @@ row per program; a program the compiler refuses is a row with its message, not a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import re
 import time
 
 import numpy as np
@@ -68,6 +70,7 @@ class Row:
     compile_seconds: float
     error: str | None = None
     memory: dict | None = None  # argument / output / temp / alias bytes
+    collectives: dict | None = None  # `collective_bytes`: kind -> bytes per device
 
     def to_json(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -82,6 +85,41 @@ def memory_bytes(compiled) -> tuple[float, dict]:
         "alias": m.alias_size_in_bytes,
     }
     return float(parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]), parts
+
+
+# Collective ops of XLA's optimized HLO; TPU's fused all-reduce + scatter counts as reduce-scatter.
+_COLLECTIVES = {"all-gather": "all-gather", "reduce-scatter": "reduce-scatter",
+                "all-reduce-scatter": "reduce-scatter", "all-reduce": "all-reduce",
+                "all-to-all": "all-to-all", "collective-permute": "collective-permute"}  # fmt: skip
+_OP = re.compile(
+    r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.*?)\s(?P<op>" + "|".join(
+        sorted(_COLLECTIVES, key=len, reverse=True)) + r")(?P<start>-start)?\("
+)  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5,
+          "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
+          "s64": 8, "u64": 8}  # fmt: skip
+
+
+def collective_bytes(hlo_text: str) -> dict[str, float]:
+    """Bytes per device each kind of collective produces in an optimized (SPMD-partitioned,
+    per-device) HLO module: the result arrays of every collective instruction, each
+    computation counted once (a loop body once, not per trip: Row.loop_trips), an async
+    `-start` by its last result array (its output; the first is its operand)."""
+    out: collections.Counter = collections.Counter()
+    for line in hlo_text.splitlines():
+        m = _OP.match(line)
+        if not m:
+            continue
+        arrays = _ARRAY.findall(m["shape"])
+        if m["start"]:
+            arrays = arrays[-1:]
+        for dtype, dims in arrays:
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            out[_COLLECTIVES[m["op"]]] += n * _BYTES.get(dtype, 4)
+    return dict(out)
 
 
 def _cost(compiled) -> dict:
@@ -114,7 +152,7 @@ def compile_run(config, devices, log=print) -> dict[str, Row]:
         rows[program.name] = Row(
             total, program.planner_bytes, program.beside_bytes, cost.get("flops"),
             cost.get("bytes accessed"), cost.get("optimal_seconds"), program.loop_trips,
-            time.perf_counter() - t0, memory=parts,
+            time.perf_counter() - t0, memory=parts, collectives=collective_bytes(c.as_text()),
         )  # fmt: skip
         log(f"{program.name}: {total / 1e9:.3f} GB per device, compiled in "
             f"{rows[program.name].compile_seconds:.1f} s")  # fmt: skip
