@@ -97,7 +97,7 @@ def bench_rl(cfg, params, mesh, s: Sizes) -> dict:
     for label, m, objective_cfg in variants(s):
         step = steps.make_rl_step(cfg, tx, objective_cfg, m, s.rl_prompt, state_sh, batch_sh)
         score = None
-        if obj_lib.get_objective(objective_cfg.name).needs_prox:
+        if obj_lib.needs_prox(objective_cfg):
             score = steps.score_fn(cfg, s.rl_prompt, mesh, m)
         runs[label] = (step, score)
 

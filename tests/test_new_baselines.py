@@ -132,10 +132,12 @@ def test_m2po_matches_the_float64_reference(seed):
 
 
 def test_m2po_record_and_config():
-    """Catches an m2po record that reads the ESS, needs the proximal snapshot, or does not
-    declare m2_threshold; and a non-positive threshold accepted."""
+    """Catches an m2po record that reads the ESS, needs the proximal snapshot in its default
+    form, or does not declare m2_threshold and m2po_form; and a non-positive threshold
+    accepted."""
     record = O.get_objective("m2po")
     assert (record.ess_in_loss, record.needs_prox) == (False, False)
-    assert record.fields == ("m2_threshold",)
+    assert not O.needs_prox(O.ObjectiveConfig(name="m2po"))
+    assert record.fields == ("m2_threshold", "m2po_form")
     with pytest.raises(ValueError, match="m2_threshold"):
         O.ObjectiveConfig(name="m2po", m2_threshold=0.0)

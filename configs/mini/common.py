@@ -66,9 +66,19 @@ OBJECTIVES = {
     "p3o_forward": {"name": "p3o", "kl_estimator": "forward"},  # unbiased for KL(pi_b || pi)
     "p3o_full": {"name": "p3o", "kl_estimator": "full"},  # exact KL(pi || pi_b) over the vocab
     "m2po": {"name": "m2po"},  # second-moment mask on log rho, threshold 0.04 (AReaL's)
+    # M2PO as AReaL runs it (mask vs pi_prox, zero-width decoupled clip, rejection at 5) and as
+    # its authors' code does (adaptive clip bound on the trust-region tokens): m2po_forms.py
+    "m2po_areal": {"name": "m2po", "m2po_form": "areal"},
+    "m2po_authors": {"name": "m2po", "m2po_form": "authors"},
     "grpo_tis": {"name": "grpo_tis", "is_cap": 2.0},  # GRPO clip 0.2 vs pi_old, min(w, 2)
     # lr x sqrt(ESS/B), OPOB baseline, sequence IS at 8; seq-mean-token-mean as their scripts
     "vcpo": {"name": "vcpo", "aggregation": "seq_mean_token_mean"},
+    # their code's baseline weight, w_i^2 min(w_i, 8)^2 ||grad log pi||^2 (objectives/vcpo.py)
+    "vcpo_authors": {
+        "name": "vcpo",
+        "aggregation": "seq_mean_token_mean",
+        "vcpo_baseline": "authors",
+    },
     # Newer mismatch baselines (objectives/correction.py), each at its source's defaults:
     "dppo": {"name": "dppo"},  # prime-rl: TV mask 0.2 / 0.2 by sign of A, 1e-3 (log rho)^2
     "icepop": {"name": "icepop"},  # w_t = pi_old / pi_b kept in [0.5, 5], else 0 (OpenRLHF)

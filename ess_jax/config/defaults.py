@@ -130,8 +130,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.objective.is_cap_low = 0.0  # MIS: lower edge of the kept band (verl's default: 1 / is_cap)
     c.objective.is_veto = 0.0  # TIS / MIS: zero a sequence with any w_t below it; 0 off (verl 1e-4)
     c.objective.m2_threshold = 0.04  # m2po: bound on the kept tokens' mean (log rho)^2 (AReaL)
+    c.objective.m2po_form = "mask"  # m2po: "mask" | "areal" | "authors" (m2po_forms.py)
     c.objective.vcpo_base_ess_ratio = 1.0  # vcpo: lr x sqrt(min(1, (ESS/B) / this)) (theirs)
     c.objective.vcpo_is_cap = 8.0  # vcpo: sequence IS weight truncation (rollout_is_threshold)
+    c.objective.vcpo_baseline = "paper"  # vcpo: baseline weight, "paper" | "authors" (vcpo.py)
     # dppo: mask A > 0 tokens with pi - pi_b > high, A <= 0 ones with pi - pi_b < -low; kl_tau
     # weighs (log rho)^2 (prime-rl's defaults)
     c.objective.dppo_mask_low = 0.2

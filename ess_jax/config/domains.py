@@ -199,6 +199,8 @@ REF_KL_ESTIMATORS = ("k1", "k2", "k3", "k3_tangent")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 DUAL_VERSIONS = ("two_kl", "mixture")
 IS_LEVELS = ("token", "sequence")
+M2PO_FORMS = ("mask", "areal", "authors")  # objectives/m2po_forms.py
+VCPO_BASELINES = ("paper", "authors")  # objectives/vcpo.py
 
 # String fields with a fixed set of values (a test keeps every string field of base_config either
 # here or in FREE_STRINGS).
@@ -209,6 +211,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "objective.aggregation": AGGREGATIONS,
     "objective.dual_version": DUAL_VERSIONS,
     "objective.is_level": IS_LEVELS,
+    "objective.m2po_form": M2PO_FORMS,
+    "objective.vcpo_baseline": VCPO_BASELINES,
     "model.dtype": MODEL_DTYPES,
     "model.attention_impl": ATTENTION_IMPLS,
     "optim.schedule": LR_SCHEDULES,

@@ -50,15 +50,16 @@ from ess_jax.objectives.losses import (
     grpo_tis,
     gspo,
     gspo_token,
-    m2po,
     p3o,
     p3o_dual,
     reinforce,
 )
+from ess_jax.objectives.m2po_forms import m2po
 from ess_jax.objectives.registry import (
     OBJECTIVES,
     Objective,
     get_objective,
+    needs_prox,
     objective_config,
     paper_config,
 )
@@ -111,6 +112,7 @@ __all__ = [
     "OBJECTIVES",
     "Objective",
     "get_objective",
+    "needs_prox",
     "objective_config",
     "paper_config",
     "combine_metrics",

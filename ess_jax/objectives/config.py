@@ -15,7 +15,9 @@ from ess_jax.config.domains import (
     DUAL_VERSIONS,
     ESS_SCOPES,
     IS_LEVELS,
+    M2PO_FORMS,
     REF_KL_ESTIMATORS,
+    VCPO_BASELINES,
 )
 from ess_jax.objectives.kl import KL_ESTIMATORS
 
@@ -62,11 +64,18 @@ class ObjectiveConfig:
     # m2po: tokens with the largest (log rho)^2 are masked until the rest's mean is below it
     # (AReaL's actor.m2_threshold, 0.04 in its gsm8k_m2po example).
     m2_threshold: float = 0.04
+    # m2po's form (objectives/m2po_forms.py): "mask" (AReaL's mask vs pi_b, no clip) |
+    # "areal" (as AReaL runs it: mask vs pi_prox, zero-width decoupled clip, rejection at 5,
+    # normalised by the tokens left) | "authors" (Infini-AI-Lab/M2PO's adaptive clip bound).
+    m2po_form: str = "mask"
     # vcpo (objectives/vcpo.py): lr x sqrt(min(1, (ESS / B) / vcpo_base_ess_ratio)) (their
     # ess_scaling.base_ess_ratio: 1.0 in their math / gsm8k scripts, 0.55 multi-turn); the
     # sequence IS weight truncated at vcpo_is_cap (their rollout_is_threshold, 8.0).
     vcpo_base_ess_ratio: float = 1.0
     vcpo_is_cap: float = 8.0
+    # vcpo's baseline weight W_i: "paper" w_i^2 ||grad log pi(y_i)||^2 (paper and README) |
+    # "authors" (mit-han-lab/vcpo's code) w_i^2 min(w_i, vcpo_is_cap)^2 ||grad log pi(y_i)||^2.
+    vcpo_baseline: str = "paper"
     # dppo (objectives/correction.py): a token is masked when A > 0 and pi - pi_b > dppo_mask_high,
     # or A <= 0 and pi - pi_b < -dppo_mask_low; dppo_kl_tau weighs (log rho)^2 (prime-rl's
     # DefaultLossConfig: 0.2, 0.2, 1e-3).
@@ -91,6 +100,8 @@ class ObjectiveConfig:
             "aggregation": AGGREGATIONS,
             "dual_version": DUAL_VERSIONS,
             "is_level": IS_LEVELS,
+            "m2po_form": M2PO_FORMS,
+            "vcpo_baseline": VCPO_BASELINES,
         }
         for field, valid in choices.items():
             if getattr(self, field) not in valid:

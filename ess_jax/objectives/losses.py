@@ -236,7 +236,8 @@ def m2po(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[ja
     Differences: rho and M2 are against the recorded pi_b (AReaL's mask uses pi_prox - pi_b, its
     ratio pi_theta / pi_prox with decoupled PPO; the documented formula's M2 is log pi_theta /
     pi_behav); the mask is over the arrays given (a micro-batch, as AReaL's loss function);
-    masked tokens keep their place in N (AReaL divides by the unmasked count)."""
+    masked tokens keep their place in N (AReaL divides by the unmasked count). The "mask" form
+    of `objective.m2po_form`; m2po_forms.py runs the others as AReaL and the authors do."""
     c = prepare(logp_BxT, batch, config)
     keep = m2po_mask(c.log_ratio, c.mask, config.m2_threshold)
     pg = -jnp.where(keep, c.rho * c.adv, 0.0)

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from ess_jax.objectives import correction, losses, vcpo
+from ess_jax.objectives import correction, losses, m2po_forms, vcpo
 from ess_jax.objectives.config import FIELDS, FULL_KL, ObjectiveConfig
 from ess_jax.objectives.core import Batch, Metrics
 
@@ -57,9 +57,12 @@ class Objective:
     # A pass over the whole optimizer batch before any gradient, in rollout row order (groups
     # of G consecutive rows), whose outputs join the batch (scopes.step_loss_and_grad).
     batch_pass: BatchPass | None = None
+    # (field, value) pairs of ObjectiveConfig whose loss reads batch["prox_logp"] though the
+    # record's other forms do not (m2po's "areal"): `needs_prox(config)` reads both.
+    prox_forms: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
-        unknown = set(self.fields) - set(FIELDS)
+        unknown = (set(self.fields) | {f for f, _ in self.prox_forms}) - set(FIELDS)
         if unknown:
             raise ValueError(f"objective {self.name!r}: no ObjectiveConfig fields {unknown}")
 
@@ -100,11 +103,16 @@ OBJECTIVES: dict[str, Objective] = _records(
     ),
     Objective("grpo_tis", losses.grpo_tis, fields=(*_CLIPS, *_IS), needs_prox=True),
     Objective("grpo_mis", losses.grpo_mis, fields=(*_CLIPS, *_IS, "is_cap_low"), needs_prox=True),
-    Objective("m2po", losses.m2po, fields=("m2_threshold",)),
+    Objective(
+        "m2po",
+        m2po_forms.m2po,
+        fields=("m2_threshold", "m2po_form"),
+        prox_forms=(("m2po_form", "areal"),),
+    ),
     Objective(
         "vcpo",
         vcpo.vcpo,
-        fields=("vcpo_base_ess_ratio", "vcpo_is_cap"),
+        fields=("vcpo_base_ess_ratio", "vcpo_is_cap", "vcpo_baseline"),
         batch_pass=vcpo.batch_pass,
     ),
     Objective("reinforce", losses.reinforce),
@@ -134,6 +142,13 @@ def get_objective(name: str) -> Objective:
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; valid: {sorted(OBJECTIVES)}")
     return OBJECTIVES[name]
+
+
+def needs_prox(config: ObjectiveConfig) -> bool:
+    """Whether the step re-scores the batch with the params before its first update
+    (batch["prox_logp"]): the record's `needs_prox`, or a form of its loss that reads it."""
+    record = get_objective(config.name)
+    return record.needs_prox or any(getattr(config, f) == v for f, v in record.prox_forms)
 
 
 def check(config: ObjectiveConfig) -> None:

@@ -24,15 +24,21 @@ update, stop-gradient):
   GRPO advantages A = (R - mean_g) / (std_g + 1e-8) this is (R_i - b*_g) / (std_g + 1e-8): the
   baseline commutes with the group's shift and scale. ||grad log pi(y_i)||^2 is exact: one
   gradient per sequence (`seq_grad_sq`), as their code takes one backward per trajectory
-  (micro-batch size 1) and reads its norm.
+  (micro-batch size 1) and reads its norm. `objective.vcpo_baseline` picks W_i:
+  "paper" (the default) is the paper's and their README's w_i^2 ||grad log pi(y_i)||^2;
+  "authors" is what their code computes (commit c7f030f0b77237cfb0e75e720669e2917a1bb56e):
+  `update_policy_per_traj` backpropagates each trajectory's loss with advantage 1 and the
+  sequence IS weight min(w_i, 8) (`rollout_is_weights`), `_compute_grad_norms` undoes the
+  seq-mean-token-mean 1/L_i and the 1/B loss multiplier, and `compute_opob_baseline`
+  multiplies that norm squared by rollout_seq_is^2 = w_i^2 (`use_clipped_is_ratios=False`):
+  W_i = w_i^2 min(w_i, vcpo_is_cap)^2 ||grad log pi(y_i)||^2.
 - The loss (their math / gsm8k scripts: `loss_mode` vanilla with the clip opened,
   clip_ratio_low 1 / high 1e9 / c 1e9, old log-probs = the current ones detached, rollout_is
   "sequence" at threshold 8): -sg(min(w_i, vcpo_is_cap)) A'_i logp_t, aggregated by
   `objective.aggregation` (their scripts: seq-mean-token-mean).
 
 Differences from their code:
-- Their per-trajectory norm is that of the gradient of the IS-weighted loss, so their W_i
-  carries min(w_i, 8)^2 besides w_i^2; W_i here is the paper's w_i^2 ||grad log pi(y_i)||^2.
+- With vcpo_baseline "paper", W_i lacks their min(w_i, 8)^2 (above).
 - Their advantages are divided by the population std of the group (`norm_by_std`); the
   rollout's GRPO advantages here use the Bessel std (a factor sqrt(G / (G - 1)) per step).
 - ESS = (sum w)^2 / sum w^2 from max-shifted log-weights (no 1e-8 in the denominator, no
@@ -163,7 +169,10 @@ def batch_pass(
     keep = kept_mask(logp_BxT, rows)
     adv_BxT = jnp.where(keep, jnp.asarray(rows["advantages"], jnp.float32), 0.0)
     adv_B = adv_BxT.sum(-1) / jnp.maximum(keep.sum(-1), 1)  # the row's advantage
-    weight_B = jnp.where(has_token, jnp.square(ratio(log_w)) * sq_B, 0.0)
+    weight_B = jnp.square(ratio(log_w)) * sq_B
+    if config.vcpo_baseline == "authors":  # their norm is of the min(w, cap)-weighted gradient
+        weight_B = weight_B * jnp.square(jnp.minimum(ratio(log_w), config.vcpo_is_cap))
+    weight_B = jnp.where(has_token, weight_B, 0.0)
     base_B = opob_baseline(adv_B, weight_B, group_size)
     opob = jnp.where(keep, adv_BxT - base_B[:, None], 0.0)
     shared = {"lr_scale": lr_scale(ess, config.vcpo_base_ess_ratio), "ess_seq": ess}

@@ -265,7 +265,7 @@ class Run:
         score = steps.score_fn(
             self.model_cfg, rollout.prompt_len, self.mesh, t.num_microbatches * n_upd
         )
-        if obj_lib.get_objective(self.objective_cfg.name).needs_prox:  # pi_prox: before any update
+        if obj_lib.needs_prox(self.objective_cfg):  # pi_prox: before any update
             batch["prox_logp"] = score(lora.join(self.state.frozen, self.state.params), batch)
         if self.ref_params is not None:
             batch["ref_logp"] = score(lora.join(self.state.frozen, self.ref_params), batch)
