@@ -150,11 +150,14 @@ def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
         (["--config=configs/quickstart.py"], "no TPU preset after the arm"),
         (["--config=configs/quickstart.py", "--topology=v9:2x2"], "topology 'v9:2x2'"),
         (["--config=configs/paper/e2_qwen25_1p5b.py:p3o,v4-8"], "libtpu describes 8 devices"),
+        (["--config=configs/quickstart.py", "--topology=v5e:2x2", "--only=rl_stp"],
+         "no program ['rl_stp']"),
     ],
 )
 def test_mistakes_are_one_line_exit_2(args, message, capsys):
-    """Catches a traceback for a config without a TPU preset, an unknown topology name, or a
-    preset whose device count libtpu describes differently (v4: TensorCores, not megacores)."""
+    """Catches a traceback for a config without a TPU preset, an unknown topology name, a
+    preset whose device count libtpu describes differently (v4: TensorCores, not megacores),
+    or a misspelt --only program."""
     os.chdir(ROOT)
     with pytest.raises(SystemExit) as e:
         compile_tpu.main(args)

@@ -50,8 +50,9 @@ def preset_of(spec: str) -> presets.Preset | None:
     return presets.PRESETS.get(name)
 
 
-def compile_spec(spec: str, topology: str | None, log=print) -> dict:
-    """The JSON record of --config=`spec` compiled for `topology` (default: its preset's)."""
+def compile_spec(spec: str, topology: str | None, log=print, only=None) -> dict:
+    """The JSON record of --config=`spec` compiled for `topology` (default: its preset's);
+    `only`: the names of the programs to compile (default: all)."""
     import plan_memory  # tools/plan_memory.py: config loading as the planner does it
 
     from ess_jax.memory import tpu
@@ -71,7 +72,7 @@ def compile_spec(spec: str, topology: str | None, log=print) -> dict:
         )
     kind = devices[0].device_kind
     device = _device_key(kind)
-    rows = tpu.compile_run(config, devices, log=log)
+    rows = tpu.compile_run(config, devices, log=log, only=only)
     usable = presets.HBM[device] * presets.memory_fraction(device, environ={})
     peak = tpu.peak_bytes(rows)
     chip = presets.CHIPS[device]
@@ -175,6 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--config", help="FILE[:ARM[,PRESET]]")
     p.add_argument("--topology", help="libtpu topology name, e.g. v5p:2x2x1 (default: preset's)")
     p.add_argument("--json", help="write the record here")
+    p.add_argument("--only", help="comma-separated program names (default: every program)")
     p.add_argument("--markdown", action="store_true", help="the table of results/tpu/*.json")
     p.add_argument("--write", help="with --markdown: replace the table in this file")
     args = p.parse_args(argv)
@@ -193,8 +195,9 @@ def main(argv=None) -> int:
         from ess_jax.memory.tpu import TopologyError
 
         try:
-            record = compile_spec(args.config, args.topology)
-        except TopologyError as e:
+            only = tuple(args.only.split(",")) if args.only else None
+            record = compile_spec(args.config, args.topology, only=only)
+        except (TopologyError, ValueError) as e:  # a topology, arm or program name
             raise UserError(str(e)) from e
     except UserError as e:
         user_exit(e)

@@ -129,12 +129,23 @@ def _cost(compiled) -> dict:
     return cost or {}
 
 
-def compile_run(config, devices, log=print) -> dict[str, Row]:
-    """name -> Row for every program of `config` on `devices` with the config's mesh."""
+def compile_run(config, devices, log=print, only=None) -> dict[str, Row]:
+    """name -> Row for every program of `config` on `devices` with the config's mesh (or for
+    those named in `only`, with the programs their inputs need, e.g. a decode segment's
+    prefill)."""
     mesh = sharding_lib.make_mesh(dict(config.mesh), devices)
     compiled: dict = {}
     rows: dict[str, Row] = {}
-    for program in programs_lib.run_programs(config, mesh):
+    progs = programs_lib.run_programs(config, mesh)
+    if only is not None:
+        unknown = set(only) - {p.name for p in progs}
+        if unknown:
+            raise ValueError(f"no program {sorted(unknown)}; this run's: {[p.name for p in progs]}")
+        needed = set(only) | {n.split("/")[0] + "/prefill" for n in only if "/decode" in n}
+        needed |= {p.name for p in progs if p.name.startswith(("sampler_copy", "lora_merge"))
+                   and any(n.startswith(("sample/", "eval/")) for n in needed)}  # fmt: skip
+        progs = [p for p in progs if p.name in needed]
+    for program in progs:
         t0 = time.perf_counter()
         try:
             c = program.lower(compiled).compile()
