@@ -7,12 +7,13 @@ and writes, without rerunning anything and byte for byte the same each time:
   <results>/<experiment>/table.md     per arm, mean +- std over seeds: final reward (mean of the
                                       last 10 steps), held-out pass@1 (last eval), peak (max
                                       10-step mean), both collapse steps per seed, held-out
-                                      pass@1 below step 0, ESS, capped share, entropy proxy
-                                      first -> last 10 steps;
+                                      pass@1 below step 0, ESS (mean, min), capped share,
+                                      entropy proxy first -> last 10 steps;
                                       then P3O minus each other arm (paired by seed: the seeds
                                       share their warm start) with a 95% t-interval;
-  <results>/<experiment>/figure.png   reward, ESS, capped fraction and entropy proxy against
-                                      step (10-step means; line: mean over seeds, band: min-max);
+  <results>/<experiment>/figure.png   reward, KL(pi || pi_b) (k3), ESS, capped fraction and
+                                      entropy proxy against step (10-step means) and held-out
+                                      pass@1 at each eval; line: mean over seeds, band: min-max;
   <results>/async_actor_learner/lag.md  per arm, the lag distribution and throughput
                                       (experiments/async_report.py);
   <results>/summary.md                every P3O-minus-baseline comparison in one table, and the
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import os
 import sys
 
@@ -40,13 +40,15 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)  # configs.mini, for the experiments' declared arm order
+    sys.path.insert(0, ROOT)  # experiments.*; configs.mini, for the experiments' arm order
 
+from experiments import stability_map  # noqa: E402
 from experiments.run_stats import (  # noqa: E402
     COLLAPSE_NOTES,
     WINDOW,
     fingerprint,
     fmt,
+    fmt_interval,
     load_experiment,
     moving_mean,
     paired_interval,
@@ -91,12 +93,6 @@ def comparisons(arms: dict[str, dict[int, dict]], order: list[str]) -> list[dict
             row[key] = paired_interval([x[key] for x in s_ref], [x[key] for x in s_arm])
         out.append(row)
     return out
-
-
-def fmt_interval(m: tuple[float, float, float]) -> str:
-    if math.isnan(m[1]):
-        return f"{m[0]:+.3f}"
-    return f"{m[0]:+.3f} [{m[1]:+.3f}, {m[2]:+.3f}]"
 
 
 def table(
@@ -310,9 +306,7 @@ def analyze(results: str) -> list[str]:
     path = os.path.join(results, "summary.md")
     with open(path, "w") as f:
         f.write("\n".join(head + summary + counts_head + counts) + "\n")
-    if "stability_map" in experiments:  # imported here: stability_map imports this module
-        from experiments import stability_map
-
+    if "stability_map" in experiments:
         written += stability_map.write(results, experiments["stability_map"])
     return [*written, path]
 

@@ -1,7 +1,8 @@
 """One run's and one experiment's numbers, from their metrics.jsonl rows: the collapse
 criteria, the per-run summary the tables and the stability map report, the fingerprint that
-finds identical runs, and the paired statistics (95% t-interval, t-test, Holm's correction).
-experiments/analyze.py and experiments/stability_map.py write their tables from these; the
+finds identical runs, the paired statistics (95% t-interval, t-test, Holm's correction) and
+how the tables print an interval. experiments/analyze.py and experiments/stability_map.py write
+their tables from these (imports flow analyze.py -> stability_map.py -> run_stats.py); the
 criteria are defined in analyze.py's docstring, the tests in stability_map.py's.
 """
 
@@ -165,12 +166,20 @@ def fmt(values, digits: int = 3) -> str:
 
 
 def paired_interval(a: list[float], b: list[float]) -> tuple[float, float, float]:
-    """Mean of a - b and its 95% t-interval half-width (paired by seed)."""
+    """(mean of a - b, its 95% t-interval low, high), paired by seed; nan bounds for n < 2."""
     d = np.asarray(a) - np.asarray(b)
     if len(d) < 2:
         return float(np.mean(d)), float("nan"), float("nan")
     half = T975.get(len(d) - 1, 1.96) * np.std(d, ddof=1) / math.sqrt(len(d))
     return float(np.mean(d)), float(np.mean(d) - half), float(np.mean(d) + half)
+
+
+def fmt_interval(m: tuple[float, float, float]) -> str:
+    """A paired_interval as the tables print it, "+0.120 [+0.050, +0.190]"; the mean alone when
+    it has no interval (n < 2)."""
+    if math.isnan(m[1]):
+        return f"{m[0]:+.3f}"
+    return f"{m[0]:+.3f} [{m[1]:+.3f}, {m[2]:+.3f}]"
 
 
 def paired_t(a: list[float], b: list[float]) -> tuple[float, float, float, float]:

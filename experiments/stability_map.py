@@ -16,9 +16,9 @@ configs/mini/stability_map.py) and writes, byte for byte the same each time:
                                         of P3O's trust-region term, mean over seeds: per step
                                         (faint) and its 10-step mean.
 
-Definitions (per-run quantities are experiments/analyze.py's run_summary):
+Definitions (per-run quantities are experiments/run_stats.py's run_summary):
   final held-out pass@1   pass@1 of the run's last eval (step 150 on the testbed);
-  collapse (dip), collapse (sustained), held-out below step 0   as in analyze.COLLAPSE_NOTES;
+  collapse (dip), collapse (sustained), held-out below step 0   as in run_stats.COLLAPSE_NOTES;
   final entropy           mean entropy_proxy of the last 10 steps; mean ESS: over all steps;
   stable run              no sustained collapse and held-out pass@1 at the last eval not below
                           its value at step 0;
@@ -32,10 +32,11 @@ Definitions (per-run quantities are experiments/analyze.py's run_summary):
                           t-interval and no test (outside the Holm family);
   comparisons             per condition, each objective minus P3O cap-only and minus GRPO eps 0.2
                           (cap-only minus GRPO once), final held-out pass@1 paired by seed (the
-                          seeds share a warm start): mean, 95% t-interval (analyze.paired_interval)
-                          and the two-sided p-value of the paired t-test (Student's t with n - 1
-                          degrees of freedom on the per-seed differences; p = 1 when every
-                          difference is 0, p = 0 when they are equal and not 0);
+                          seeds share a warm start): mean, 95% t-interval
+                          (run_stats.paired_interval) and the two-sided p-value of the paired
+                          t-test (run_stats.paired_t: Student's t with n - 1 degrees of freedom on
+                          the per-seed differences; p = 1 when every difference is 0, p = 0 when
+                          they are equal and not 0);
   Holm correction         step-down over every comparison with at least 2 paired seeds (those
                           with one get no test and are no member of the family): the i-th smallest
                           of m p-values becomes max over j <= i of min(1, (m - j + 1) p_(j));
@@ -56,18 +57,16 @@ import sys
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (HERE, os.path.dirname(HERE)):  # analyze; the repository root (experiments.*)
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from analyze import fmt_interval  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # experiments.run_stats; configs.mini, for the grid
 
 from experiments.run_stats import (  # noqa: E402
     COLLAPSE_NOTES,
     WINDOW,
     fingerprint,
     fmt,
+    fmt_interval,
     holm,
     load_experiment,
     moving_mean,
@@ -95,7 +94,7 @@ FILES = ("stability_map.md", "stability_map_heatmap.png", "stability_map_entropy
 class Map:
     """The map's runs, their summaries per cell, and the grid's order."""
 
-    arms: dict[str, dict[int, dict]]  # {arm: {seed: run}} (analyze.load_experiment)
+    arms: dict[str, dict[int, dict]]  # {arm: {seed: run}} (run_stats.load_experiment)
     cells: dict[tuple[str, str], dict[int, dict]]  # {(condition, objective): {seed: summary}}
     conds: list[str]  # configs/mini/stability_map.py's order, then others found, sorted
     objs: list[str]
@@ -178,7 +177,7 @@ def region(m: Map) -> list[dict]:
 
 def identical(m: Map) -> dict[str, list[str]]:
     """{condition: ["b = a (seeds 0, 1)"]}: objective b's run of a seed equals, row for row
-    (timing fields aside: analyze.fingerprint), the run of an earlier objective a."""
+    (timing fields aside: run_stats.fingerprint), the run of an earlier objective a."""
     first: dict[tuple, str] = {}
     pairs: dict[str, dict[tuple[str, str], list[int]]] = {}
     for cond in m.conds:
