@@ -5,7 +5,7 @@ Axis alphabet: B rows, T sequence length (prompt + response), R scored positions
 C a chunk of R, D model width, V vocab.
 
   token_logprobs(cfg, params, tokens_BxT, mask_BxT, return_entropy, start, dropout_keys)
-      -> logp_BxR
+      -> logp_BxR, or (logp_BxR, entropy_BxR) with return_entropy
 
 Only the scored positions go through the LM head: with `start` = the prompt width, an RL step
 spends no vocabulary-sized matmul, softmax or backward on prompt positions (whose log-probs it
@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
-from ess_jax.objectives.kl import entropy_from_logits
 
 
 def logprobs_from_logits(logits_BxTxV: jax.Array, tokens_BxT: jax.Array) -> jax.Array:
@@ -30,6 +29,13 @@ def logprobs_from_logits(logits_BxTxV: jax.Array, tokens_BxT: jax.Array) -> jax.
     logz = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     picked = jnp.take_along_axis(logits_BxTxV, tokens_BxT[..., None], axis=-1)[..., 0]
     return picked - logz
+
+
+def entropy_from_logits(logits_BxTxV: jax.Array) -> jax.Array:
+    """Per-token entropy H(softmax(logits)) in float32 -> [B, T]."""
+    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    p_BxTxV = jnp.exp(logp_BxTxV)
+    return -jnp.where(p_BxTxV > 0, p_BxTxV * logp_BxTxV, 0.0).sum(-1)
 
 
 def over_time(fn: Callable, chunk: int, *xs_BxTx_):

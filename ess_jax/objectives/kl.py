@@ -173,13 +173,6 @@ def kl_on_support(logits_p_BxTxV: jax.Array, logq_BxTxV: jax.Array, keep_BxTxV: 
     return jnp.sum(jnp.where(keep_BxTxV, jnp.exp(logp_s) * (logp_s - logq), 0.0), axis=-1)
 
 
-def entropy_from_logits(logits_BxTxV: jax.Array) -> jax.Array:
-    """Per-token entropy H(softmax(logits)) in float32 -> [B, T]."""
-    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
-    p_BxTxV = jnp.exp(logp_BxTxV)
-    return -jnp.where(p_BxTxV > 0, p_BxTxV * logp_BxTxV, 0.0).sum(-1)
-
-
 # ----------------------------------------------------------------------------- ESS
 
 

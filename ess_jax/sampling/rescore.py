@@ -40,8 +40,13 @@ import jax.numpy as jnp
 
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
-from ess_jax.model.scoring import logprobs_from_logits, over_time, scored_hidden
-from ess_jax.objectives.kl import entropy_from_logits, kl_on_support
+from ess_jax.model.scoring import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    over_time,
+    scored_hidden,
+)
+from ess_jax.objectives.kl import kl_on_support
 from ess_jax.sampling.draw import kept_support
 
 
@@ -97,7 +102,8 @@ def logp_fn_for(
     chunk: int | None = None,
 ):
     """`logp_fn(params, mb)` for `objectives.scopes.step_loss_and_grad`: (logp_BxT, extras) with
-      logp                     the policy's response log-probs (T = 1, float32, with gradient)
+      logp                     the policy's response log-probs (temperature 1, float32, with
+                               gradient)
       kl_full                  per-token KL(pi || pi_b) (on pi_b's support), gradient through pi
       rescored_behaviour_logp  log pi_b(y_t) of the re-score: must match the recorded one
       entropy                  (with `entropy`) the policy's full-distribution entropy
