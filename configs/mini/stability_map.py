@@ -43,38 +43,66 @@ OBJECTIVES = (
 # P3O with the exact KL has no fp8 or calib arm: a low-precision decode cannot be re-scored
 # exactly (config/schema.py:check_full_kl refuses it), so those cells of the map stay empty.
 LOW_PRECISION = ("fp8", "calib")
-ARMS = tuple(
-    f"{cond}_{obj}"
-    for cond in CONDITIONS
-    for obj in OBJECTIVES
-    if not (cond in LOW_PRECISION and obj == "p3o_full")
-)
-# Arms whose groups are half drawn by the external model (experiments/reproduce.py passes it).
-EXTERNAL_ARMS = tuple(arm for arm in ARMS if arm.startswith("ext50_"))
 
 
 def split(arm: str) -> tuple[str, str]:
-    """(condition, objective arm) of a map arm."""
+    """(condition, objective arm) of a map arm: no condition name holds an underscore."""
     condition, objective = arm.split("_", 1)
     return condition, objective
 
 
+def refused(condition: str, objective: str) -> bool:
+    """Whether the grid leaves the cell out: the exact KL under a low-precision sampler."""
+    return objective == "p3o_full" and any(p in LOW_PRECISION for p in condition.split("+"))
+
+
+def arms(conditions, objectives) -> tuple[str, ...]:
+    """`<condition>_<objective>` for every cell not refused, condition by condition."""
+    return tuple(
+        f"{cond}_{obj}" for cond in conditions for obj in objectives if not refused(cond, obj)
+    )
+
+
+def external_arms(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The arms whose groups are partly drawn by the external model (experiments/reproduce.py
+    passes its checkpoint)."""
+    return tuple(a for a in names if any(p.startswith("ext") for p in split(a)[0].split("+")))
+
+
+ARMS = arms(CONDITIONS, OBJECTIVES)
+EXTERNAL_ARMS = external_arms(ARMS)
+
+
+def condition(c, name: str):
+    """c under the condition `name`: t<T> rollout temperature T; fp8 the fp8 sampler; calib the
+    calibrated mismatch; lag<N> rollouts from the policy N updates old; ext<P> P% of each group
+    from the external model; upd<N> N optimizer steps per rollout batch at T 1.2. Names joined
+    by '+' apply in turn (configs/mini/stability_map_harsh.py: calib+lag8)."""
+    for part in name.split("+"):
+        if part.startswith("t"):
+            c.rollout.temperature = float(part[1:])
+        elif part == "fp8":
+            c.rollout.precision = "fp8"
+        elif part == "calib":
+            common.calibrated(c)
+        elif part.startswith("lag"):
+            c.rollout.lag = int(part[3:])
+        elif part.startswith("ext"):
+            c.rollout.external_fraction = int(part[3:]) / 100
+            c.rollout.external_checkpoint = common.placeholder(str)
+        elif part.startswith("upd"):
+            c.rollout.temperature = 1.2
+            c.train.updates_per_batch = int(part[3:])
+        else:
+            raise ValueError(f"unknown condition {part!r} in {name!r}")
+    return c
+
+
+def build(arms: tuple[str, ...], arg: str | None):
+    """The config of the arm `arg` of a map whose arms are `arms`."""
+    cond, objective = split(common.pick(arms, arg))
+    return common.with_objective(condition(common.testbed(), cond), objective)
+
+
 def get_config(arg: str | None = None):
-    arm = common.pick(ARMS, arg)
-    c = common.testbed()
-    condition, objective = split(arm)
-    if condition.startswith("t"):
-        c.rollout.temperature = float(condition[1:])
-    elif condition == "fp8":
-        c.rollout.precision = "fp8"
-    elif condition == "calib":
-        common.calibrated(c)
-    elif condition == "lag8":
-        c.rollout.lag = 8
-    elif condition == "ext50":
-        c.rollout.external_fraction = 0.5
-        c.rollout.external_checkpoint = common.placeholder(str)
-    elif condition == "upd4":
-        c.rollout.temperature = 1.2
-        c.train.updates_per_batch = 4
-    return common.with_objective(c, objective)
+    return build(ARMS, arg)
