@@ -26,6 +26,7 @@ INSTALL_REQUIRES = [
     "tqdm",
     "matplotlib",  # reward / ESS curves saved as PNG
     "tensorboardX",  # TensorBoard event files without TensorFlow
+    "protobuf",  # rl/metrics.py reads event files back (purge on resume); tensorboardX needs it
     "jinja2>=3.1",  # chat templates: transformers' apply_chat_template imports it lazily
 ]
 
