@@ -81,6 +81,8 @@ def test_every_program_of_a_run_compiles_for_v5e(tiny, tmp_path, capsys):
     plan = planner.plan(plan_memory.load_config(tiny), 4, "v5e")
     assert progs["sample/prefill"]["beside_bytes"] == pytest.approx(sum(plan.resident.values()))
     assert progs["rl_step"]["beside_bytes"] == 0
+    # the reshard reads the train params: the AdamW moments stay beside it
+    assert progs["reshard"]["beside_bytes"] == pytest.approx(plan.resident["optimizer state"])
     assert progs["sample/decode4"]["loop_trips"] == 3  # tokens 2..4; the prefill draws the first
     assert progs["rl_step"]["flops"] > progs["sample/decode4"]["flops"] > 0
     assert progs["rl_step"]["collectives"]["all-gather"] > 0  # FSDP gathers the weights
@@ -148,6 +150,7 @@ def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
     "args, message",
     [
         (["--config=configs/quickstart.py"], "no TPU preset after the arm"),
+        (["--config=configs/nope.py:p3o,v5e-8"], "--config configs/nope.py:p3o,v5e-8: no such"),
         (["--config=configs/quickstart.py", "--topology=v9:2x2"], "topology 'v9:2x2'"),
         (["--config=configs/paper/e2_qwen25_1p5b.py:p3o,v4-8"], "libtpu describes 8 devices"),
         (["--config=configs/quickstart.py", "--topology=v5e:2x2", "--only=rl_stp"],
@@ -155,7 +158,8 @@ def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
     ],
 )
 def test_mistakes_are_one_line_exit_2(args, message, capsys):
-    """Catches a traceback for a config without a TPU preset, an unknown topology name, a
+    """Catches a traceback for a config file that does not exist (FileNotFoundError from
+    plan_memory.load_config), a config without a TPU preset, an unknown topology name, a
     preset whose device count libtpu describes differently (v4: TensorCores, not megacores),
     or a misspelt --only program."""
     os.chdir(ROOT)

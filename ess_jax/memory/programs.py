@@ -255,14 +255,17 @@ def run_programs(config, mesh) -> list[Program]:
             if precision != "float32"
             else _bytes(sample_params)
         )
+        # beside a program that reads the train params: the rest of the resident state (AdamW
+        # moments, history, ...); beside the sampler copy (it reads the sample layout): all of it
+        beside = resident - _bytes(params) if name != f"sampler_copy/{precision}" else resident
         if not any(p.name == name for p in out):
-            out.append(Program(name, fn, args, _bytes(args) + copy_bytes, resident - held))
+            out.append(Program(name, fn, args, _bytes(args) + copy_bytes, beside))
         if name == "reshard":
             return (lambda compiled: sample_params), copy_bytes
         if name.startswith("sampler_copy") and not any(p.name == "reshard" for p in out):
             move = jax.jit(lambda p: p, out_shardings=sample_sh)
             out.append(Program("reshard", move, (params,), _bytes(params) + _bytes(sample_params),
-                               resident - held))  # fmt: skip
+                               resident - _bytes(params)))  # fmt: skip
         return (lambda compiled: abstract(copy, compiled[name].output_shardings)), copy_bytes
 
     calls = int(r.get("sample_microbatches", 1))
