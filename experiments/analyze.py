@@ -46,6 +46,7 @@ from experiments import stability_map  # noqa: E402
 from experiments.run_stats import (  # noqa: E402
     COLLAPSE_NOTES,
     WINDOW,
+    fail,
     fingerprint,
     fmt,
     fmt_interval,
@@ -230,6 +231,8 @@ def shared_runs(experiments: dict[str, dict[str, dict[int, dict]]]) -> dict[str,
 
 def analyze(results: str) -> list[str]:
     """Writes every table, figure and the summary; returns the paths written."""
+    if not os.path.isdir(results):
+        fail(f"{results}: not a directory (give the one experiments/reproduce.py writes)")
     experiments = {}
     for experiment in sorted(os.listdir(results)):
         exp_dir = os.path.join(results, experiment)
@@ -238,7 +241,7 @@ def analyze(results: str) -> list[str]:
             if arms:
                 experiments[experiment] = arms
     if not experiments:
-        raise SystemExit(f"no <experiment>/<arm>/<seed>/metrics.jsonl under {results!r}")
+        fail(f"{results}: no <experiment>/<arm>/<seed>/metrics.jsonl under it")
     shared = shared_runs(experiments)
     written, summary, notes, counts = [], [], [], []
     totals = [0, 0, 0, 0]
@@ -311,10 +314,10 @@ def analyze(results: str) -> list[str]:
     return [*written, path]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="directory written by experiments/reproduce.py")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for path in analyze(args.results):
         print("wrote", path)
 

@@ -24,6 +24,8 @@ import os
 
 import numpy as np
 
+from experiments.run_stats import fail
+
 EXPERIMENT = "async_actor_learner"
 FILE = "lag.md"
 WARMUP = 5
@@ -31,11 +33,12 @@ FIELDS = ("lag_mean", "lag_max", "lag_budget", "queue_depth", "step_s", "push_s"
 
 
 def check_rows(arm: str, seed: int, rows: list[dict]) -> None:
-    """SystemExit naming the run and field if a row lacks an async field."""
+    """`fail` (one `error:` line, exit 2) naming the run and field if a row lacks an async
+    field."""
     for r in rows:
         missing = [k for k in FIELDS if k not in r]
         if missing:
-            raise SystemExit(
+            fail(
                 f"{EXPERIMENT}/{arm}/{seed}: step {r.get('step')} has no {', '.join(missing)} "
                 "(not a train.mode 'async' run?)"
             )

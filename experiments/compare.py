@@ -4,8 +4,9 @@
 
 Per run: final train reward (mean of the last 5 steps), first and last held-out pass@1,
 mean and minimum ESS, mean clip fraction, skipped (non-finite) updates. Each metrics.jsonl is
-read once: a cut last line warns once; a bad line before it stops with one `error:` line naming
-the file and line (exit code 2, as `python -m ess_jax.main`).
+read once: a cut last line warns once; a bad line before it, a path that does not exist, a
+directory without a metrics.jsonl or a run without training rows stops with one `error:` line
+naming it (exit code 2, as `python -m ess_jax.main`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,26 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from experiments.run_stats import read_rows  # noqa: E402
+from experiments.run_stats import fail, read_rows  # noqa: E402
+
+
+def read_run(workdir: str) -> list[dict]:
+    """The metrics rows of a workdir or a metrics.jsonl; `fail` if there is none."""
+    if not os.path.exists(workdir):
+        fail(f"{workdir}: no such file or directory")
+    if os.path.isdir(workdir) and not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+        fail(f"{workdir}: no metrics.jsonl in it (not a run's workdir, or a run that wrote no row)")
+    return read_rows(workdir)
 
 
 def summarize(workdir: str, rows: list[dict] | None = None) -> dict:
-    """The table's row of one run; `rows` are its metrics rows when already read."""
-    rows = read_rows(workdir) if rows is None else rows
+    """The table's row of one run; `rows` are its metrics rows when already read. A run
+    without training rows (eval rows only, or none) is a `fail` naming it."""
+    rows = read_run(workdir) if rows is None else rows
     train = [r for r in rows if r.get("reward_mean") is not None]
     evals = [r for r in rows if r.get("eval/pass@1") is not None]
     if not train:
-        raise ValueError(f"{workdir}: no training rows in metrics.jsonl")
+        fail(f"{workdir}: no training rows (no row with reward_mean)")
     col = lambda k: np.array([r[k] for r in train if r.get(k) is not None], float)
     return {
         "run": os.path.basename(os.path.normpath(workdir)),
@@ -76,7 +87,7 @@ def overlay_plot(runs: dict[str, list[dict]], out_png: str) -> None:
 def write(workdirs: list[str], out: str, notes: str = "") -> str:
     """Writes <out>.md (the table, then `notes`) and <out>.png (none without workdirs); returns
     the markdown. Reads each metrics.jsonl once."""
-    runs = {w: read_rows(w) for w in workdirs}
+    runs = {w: read_run(w) for w in workdirs}
     parts = [markdown_table([summarize(w, rows) for w, rows in runs.items()])] if runs else []
     text = "\n\n".join(parts + ([notes] if notes else []))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -87,11 +98,11 @@ def write(workdirs: list[str], out: str, notes: str = "") -> str:
     return text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workdirs", nargs="+")
     ap.add_argument("--out", default="compare", help="output prefix (.md and .png)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print(write(args.workdirs, args.out))
     print(f"wrote {args.out}.md and {args.out}.png")
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from typing import NoReturn
 
 import numpy as np
+
+from ess_jax.config.schema import user_exit
 
 WINDOW = 10
 SUSTAIN = 20  # consecutive steps below half the running peak for a sustained collapse
@@ -30,23 +31,11 @@ COLLAPSE_NOTES = [
 ]
 
 
-class ToolExit(SystemExit):
-    """SystemExit with exit code 2 whose str() is the `error:` line printed (a test matches it)."""
-
-    def __init__(self, line: str):
-        super().__init__(2)
-        self.line = line
-
-    def __str__(self) -> str:
-        return self.line
-
-
 def fail(msg: str) -> NoReturn:
     """Stop a tool of experiments/ as `python -m ess_jax.main` stops on a user's mistake (a bad
-    config, workdir or metrics.jsonl): one `error:` line on stderr, exit code 2."""
-    line = "error: " + " ".join(msg.split())
-    print(line, file=sys.stderr, flush=True)
-    raise ToolExit(line)
+    config, workdir, argument or metrics.jsonl): `schema.user_exit`, one `error:` line on
+    stderr, exit code 2."""
+    user_exit(msg)
 
 
 def read_rows(path: str) -> list[dict]:

@@ -64,6 +64,7 @@ if ROOT not in sys.path:
 from experiments.run_stats import (  # noqa: E402
     COLLAPSE_NOTES,
     WINDOW,
+    fail,
     fingerprint,
     fmt,
     fmt_interval,
@@ -371,7 +372,7 @@ def write(results: str, arms: dict[str, dict[int, dict]] | None = None) -> list[
         exp_dir = os.path.join(results, EXPERIMENT)
         arms = load_experiment(exp_dir) if os.path.isdir(exp_dir) else {}
     if not arms:
-        raise SystemExit(f"no {EXPERIMENT}/<arm>/<seed>/metrics.jsonl under {results!r}")
+        fail(f"{results}: no {EXPERIMENT}/<arm>/<seed>/metrics.jsonl under it")
     md, hm, ent = (os.path.join(results, f) for f in FILES)
     m = Map.of(arms)
     with open(md, "w") as f:
@@ -381,10 +382,10 @@ def write(results: str, arms: dict[str, dict[int, dict]] | None = None) -> list[
     return [md, hm, ent]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="directory written by experiments/reproduce.py")
-    for path in write(ap.parse_args().results):
+    for path in write(ap.parse_args(argv).results):
         print("wrote", path)
 
 

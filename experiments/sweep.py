@@ -26,11 +26,15 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from experiments import compare  # noqa: E402
+from experiments.run_stats import fail  # noqa: E402
 
 MAIN = (sys.executable, "-m", "ess_jax.main")  # what each variant runs, before its flags
 
 
 def parse_variants(argv: list[str]) -> dict[str, list[str]]:
+    """{variant: its --config.KEY=VALUE flags} of `--variant NAME KEY=VALUE ...` groups; a
+    mistake in them (no variant, a name given twice, a name that is a flag or an override or
+    holds a "/", an override without "=") is a `fail`: one `error:` line, exit code 2."""
     variants: dict[str, list[str]] = {}
     current = None
     for tok in argv:
@@ -39,15 +43,20 @@ def parse_variants(argv: list[str]) -> dict[str, list[str]]:
             continue
         if current is None:
             current = tok
+            if tok.startswith("-") or "=" in tok or "/" in tok:
+                fail(
+                    f"--variant {tok}: not a variant name (a workdir under --root); "
+                    "give --variant NAME KEY=VALUE ..."
+                )
             if current in variants:
-                raise ValueError(f"variant {current!r} given twice")
+                fail(f"--variant {current}: given twice")
             variants[current] = []
         else:
             if "=" not in tok:
-                raise ValueError(f"override {tok!r} of variant {current!r} is not key=value")
+                fail(f"--variant {current}: override {tok!r} is not KEY=VALUE")
             variants[current].append(f"--config.{tok}")
     if not variants:
-        raise ValueError("no --variant given")
+        fail("no --variant given: --variant NAME KEY=VALUE ... (one or more)")
     return variants
 
 

@@ -4,7 +4,7 @@ a tiny results tree. Cheap: no model, no jax."""
 
 import json
 
-import pytest
+from conftest import one_line_exit
 from test_collapse import analyze
 
 ARM_ROWS = {  # arm -> seed -> (lag per step, budget per step, queue depth, step_s, push_s, tok/s)
@@ -60,9 +60,13 @@ def test_lag_table_is_the_hand_computed_one_and_regenerates_byte_for_byte(tmp_pa
     assert lag_md.read_bytes() == first
 
 
-def test_a_run_without_the_async_fields_is_named(tmp_path):
+def test_a_run_without_the_async_fields_is_named(tmp_path, capsys):
     """Catches a sync run's rows (no queue_depth) filed under the async experiment giving a
-    KeyError or a silent table: one line naming the run and the missing field."""
+    KeyError or a silent table: one `error:` line naming the run and the missing field, exit 2
+    as `ess_jax.main` on a user's mistake (a bare message and exit 1 before)."""
     _write_results(tmp_path, {"p3o": ARM_ROWS["p3o"]}, drop="queue_depth")
-    with pytest.raises(SystemExit, match=r"async_actor_learner/p3o/0: step 0 has no queue_depth"):
-        analyze.analyze(str(tmp_path))
+    line = one_line_exit(capsys, lambda: analyze.analyze(str(tmp_path)))
+    assert line == (
+        "error: async_actor_learner/p3o/0: step 0 has no queue_depth (not a train.mode 'async' "
+        "run?)"
+    )

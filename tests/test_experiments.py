@@ -1,6 +1,7 @@
 """experiments/compare.py turns run directories into a table and an overlay plot, and stops on
 a damaged metrics.jsonl (as analyze.py does) with one line; experiments/sweep.py runs every
-variant, a failing one included, then compares them."""
+variant, a failing one included, then compares them. A user's mistake in their arguments (a path
+without runs, a malformed --variant) is one `error:` line and exit 2, as `ess_jax.main`."""
 
 import importlib.util
 import json
@@ -9,8 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import one_line_exit
 
-from experiments import sweep
+from experiments import analyze, stability_map, sweep
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(os.path.abspath(HERE))
@@ -83,13 +85,65 @@ def test_compare_warns_once_about_a_cut_last_line(tmp_path):
     assert rc == 0 and sum("its last line is cut" in e for e in err) == 1, err
 
 
-def test_run_without_training_rows_is_an_error(tmp_path):
-    """Catches a run with eval rows only summarised as NaNs (or an IndexError) instead of an
-    error naming the workdir."""
-    d = str(tmp_path / "empty")
-    _write_run(d, [], [], [(0, 0.5)])
-    with pytest.raises(ValueError, match="no training rows"):
-        _compare().summarize(d)
+def test_compare_refuses_a_path_without_training_rows_in_one_line(tmp_path, capsys):
+    """Catches compare.py ending in a ValueError traceback for a path that does not exist, a
+    directory without a metrics.jsonl (both read as a run of no rows) or a run with eval rows
+    only (summarised as NaNs before): one `error:` line naming the path and what it lacks,
+    exit 2, and nothing written."""
+    main = _compare().main
+    out = str(tmp_path / "cmp")
+    missing, empty, evals = tmp_path / "nope", tmp_path / "empty", tmp_path / "evals"
+    line = one_line_exit(capsys, lambda: main([str(missing), "--out", out]))
+    assert line == f"error: {missing}: no such file or directory"
+    empty.mkdir()
+    line = one_line_exit(capsys, lambda: main([str(empty), "--out", out]))
+    assert line == (
+        f"error: {empty}: no metrics.jsonl in it (not a run's workdir, or a run that wrote no row)"
+    )
+    _write_run(str(evals), [], [], [(0, 0.5)])
+    line = one_line_exit(capsys, lambda: main([str(evals), "--out", out]))
+    assert line == f"error: {evals}: no training rows (no row with reward_mean)"
+    assert not os.path.exists(out + ".md")
+
+
+def test_analyze_and_stability_map_refuse_a_directory_without_runs_in_one_line(tmp_path, capsys):
+    """Catches analyze.py and stability_map.py exiting 1 with a bare message for a directory with
+    no runs under it, and analyze.py's FileNotFoundError traceback for one that does not exist:
+    one `error:` line naming the directory, exit 2, as `ess_jax.main` on a user's mistake."""
+    missing = tmp_path / "nope"
+    line = one_line_exit(capsys, lambda: analyze.main([str(missing)]))
+    want = "not a directory (give the one experiments/reproduce.py writes)"
+    assert line == f"error: {missing}: {want}"
+    (tmp_path / "e1" / "p3o" / "0").mkdir(parents=True)  # no metrics.jsonl
+    line = one_line_exit(capsys, lambda: analyze.main([str(tmp_path)]))
+    assert line == f"error: {tmp_path}: no <experiment>/<arm>/<seed>/metrics.jsonl under it"
+    line = one_line_exit(capsys, lambda: stability_map.main([str(tmp_path)]))
+    assert line == f"error: {tmp_path}: no stability_map/<arm>/<seed>/metrics.jsonl under it"
+
+
+@pytest.mark.parametrize(
+    "variants, line",
+    [
+        ([], "no --variant given: --variant NAME KEY=VALUE ... (one or more)"),
+        (["--variant", "a", "seed"], "--variant a: override 'seed' is not KEY=VALUE"),
+        (["--variant", "a", "seed=1", "--variant", "a", "seed=2"], "--variant a: given twice"),
+        (
+            ["--variant", "objective.name=grpo"],
+            "--variant objective.name=grpo: not a variant name (a workdir under --root); give "
+            "--variant NAME KEY=VALUE ...",
+        ),
+    ],
+)
+def test_sweep_refuses_malformed_variants_in_one_line_before_any_run(
+    variants, line, tmp_path, monkeypatch, capsys
+):
+    """Catches sweep.py ending in a ValueError traceback for a malformed --variant group (none,
+    an override without "=", a name twice), and an override where the name goes running as a
+    variant whose workdir is named after the override."""
+    monkeypatch.setattr(sweep, "run_logged", lambda cmd, log: pytest.fail("a variant ran"))
+    argv = ["--config=configs/quickstart.py", f"--root={tmp_path / 'sweep'}", *variants]
+    assert one_line_exit(capsys, lambda: sweep.main(argv)) == "error: " + line
+    assert not (tmp_path / "sweep").exists()
 
 
 # A stand-in for `python -m ess_jax.main` (no training): writes 3 metrics rows into its workdir,

@@ -157,3 +157,32 @@ def test_tool_refuses_bad_data_and_unencodable_prompts_in_one_line(tmp_path, cap
     assert line == (
         "error: --data math500: prompt has characters the tokenizer cannot encode: 'What is 1+1?'"
     )
+
+
+@pytest.mark.parametrize(
+    "flag, line",
+    [
+        ("--buckets=128,2k", "--buckets 128,2k: not a comma-separated list of positive integers"),
+        ("--max_new_tokens=4096,0", "--max_new_tokens 4096,0: not a comma-separated list of "
+         "positive integers"),
+        ("--mesh=fsdp", "--mesh fsdp: 'fsdp' is not AXIS=SIZE (e.g. fsdp=4,tensor=2; one size "
+         "may be -1, the devices left)"),
+        ("--mesh=fsdp=3", "--mesh fsdp=3: mesh {'data': 1, 'fsdp': 3, 'tensor': 1} needs 3 "
+         "devices, have 8"),
+        ("--mesh=expert=8", "--mesh expert=8: unknown mesh axes ['expert']; valid: ('data', "
+         "'fsdp', 'tensor')"),
+        ("--data=aime24", "--data aime24: 'aime24' is not NAME=DIR (names: aime24, aime25, amc23, "
+         "math500)"),
+    ],
+)  # fmt: skip
+def test_tool_refuses_a_malformed_flag_in_one_line(flag, line, tmp_path, monkeypatch, capsys):
+    """Catches tools/evaluate.py ending in a ValueError traceback for a --buckets or
+    --max_new_tokens that is no list of integers (or a non-positive one, which reached the
+    batcher as a --data error), a --mesh item that is not AXIS=SIZE, an unknown axis or sizes
+    the devices do not fill, or a --data item without "=": one line naming the flag, exit 2,
+    before the checkpoint loads (it does not exist here)."""
+    from ess_jax.config import presets
+
+    monkeypatch.setenv(presets.MEM_FRACTION_ENV, "0.9")  # main sets it: undone after the test
+    argv = ["--checkpoint=nowhere", f"--data=aime24={tmp_path}", flag]
+    assert one_line_exit(capsys, lambda: evaluate_tool.main(argv)) == "error: " + line

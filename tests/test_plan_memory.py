@@ -336,6 +336,43 @@ def test_tool_prints_a_verdict_last(capsys):
     assert "'tensor': 4" in capsys.readouterr().out
 
 
+Q = os.path.join(ROOT, "configs/quickstart.py")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--config=nope.py", "--device=h100", "--num_devices=1"],
+         "--config nope.py: no such file nope.py"),
+        ([f"--config={Q}:nope", "--device=h100", "--num_devices=1"],
+         f"config file {Q}:nope: unknown arm 'nope'; this file's arms: tiny (none: the full run)"),
+        ([f"--config={Q}:tiny", "--device=h900", "--num_devices=1"],
+         "--device h900: unknown device; valid: h100, h200, v4, v5e, v5p, v6e, tpu7x"),
+        ([f"--config={Q}:tiny", "--device=h100", "--num_devices=-2"],
+         "--num_devices -2: must be >= 1"),
+        ([f"--config={Q}:tiny", "--device=h100", "--num_devices=8", "--mesh=fsdp=x"],
+         "--mesh fsdp=x: 'fsdp=x' is not AXIS=SIZE (e.g. fsdp=4,tensor=2; one size may be -1, "
+         "the devices left)"),
+        ([f"--config={Q}:tiny", "--device=h100", "--num_devices=8", "--mesh=fsdp=3"],
+         "--mesh fsdp=3 on 8 devices: mesh {'data': 1, 'fsdp': 3, 'tensor': 1} needs 3 devices, "
+         "have 8"),
+        ([f"--config={Q}:tiny", "--device=h100", "--num_devices=8", "--mesh=expert=8"],
+         "--mesh expert=8 on 8 devices: unknown mesh axes ['expert']; valid: ('data', 'fsdp', "
+         "'tensor')"),
+    ],
+)  # fmt: skip
+def test_tool_refuses_a_mistake_in_one_line(argv, line, capsys):
+    """Catches tools/plan_memory.py ending in a traceback for a --config file that does not
+    exist (FileNotFoundError) or an arm it refuses (ValueError), an unknown --device, a
+    --num_devices below 1 (planned as a negative mesh), a --mesh item that is not AXIS=SIZE,
+    sizes the devices do not fill or an unknown axis (ValueError): one line, exit 2."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plan_memory
+    from conftest import one_line_exit
+
+    assert one_line_exit(capsys, lambda: plan_memory.main(argv)) == "error: " + line
+
+
 def test_plan_counts_the_full_kl_rescore():
     """Catches a plan that ignores objective.kl_estimator "full" (its re-score forward's logits,
     and with lag 0 and several updates per batch the params copy pi_b is re-scored with), so a

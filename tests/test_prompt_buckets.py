@@ -77,6 +77,25 @@ def test_heldout_checks_the_examples_eval_uses(tok):
     assert [ex["prompt"] for ex in kept] == [ex["prompt"] for i, ex in enumerate(test) if i != 6]
 
 
+def test_a_character_the_tokenizer_cannot_encode_names_the_task_example_and_character(tok):
+    """Catches a train or held-out prompt with characters the tokenizer can only map to <unk>
+    reported under config.data.prompts_per_step (the field of the other ValueErrors here):
+    it must name the task, the split's example, the characters and model.source."""
+    examples = _examples(8)
+    examples[5] = {"prompt": "What is 12+$3?", "answer": "15"}
+    tail = "cannot encode: 'W', '$'; use a model whose tokenizer covers the task's text"
+    for split, call in (
+        ("train", lambda: experiment.train_batcher(_config(), examples, tok)),
+        ("held-out", lambda: experiment.heldout_examples(_config(), examples, tok)),
+    ):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert str(e.value) == (
+            f"config.task: addition: {split} example 5 (prompt 'What is 12+$3?') has characters "
+            f"the tokenizer of model.source='embedded' {tail}"
+        )
+
+
 def test_run_refuses_before_sft_and_checkpoint_0(tmp_path, monkeypatch):
     """Catches the check placed after the SFT warm start or the first checkpoint (the refused run
     must leave no checkpoint behind to resume into the same error)."""

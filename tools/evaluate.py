@@ -13,8 +13,9 @@ else the only one there. Each problem gets k samples at the temperature (float32
 trainer's numerics); pass@j is the unbiased estimator from those k (Chen et al., 2021). The
 paper's evaluation temperature and sampling details are not public (0.6 here, Qwen3's default
 for thinking models). Every host of a multi-host slice runs the same command. A mistake the user
-can fix (a path, a prompt the tokenizer cannot encode or wider than every --buckets width) ends
-in one line and exit status 2, as `ess_jax.main`, before any sampling.
+can fix (a path, a flag's value that is not what it takes, a prompt the tokenizer cannot encode
+or wider than every --buckets width) ends in one line and exit status 2, as `ess_jax.main`,
+before any sampling.
 """
 
 from __future__ import annotations
@@ -145,6 +146,20 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def positive_ints(flag: str, text: str) -> list[int]:
+    """A comma-separated list of positive integers ('4096,16384'), or one line naming `flag`
+    (`user_exit`)."""
+    from ess_jax.config.schema import user_exit
+
+    try:
+        out = [int(t) for t in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        user_exit(f"{flag} {text}: not a comma-separated list of positive integers")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True)
@@ -161,19 +176,29 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the rows as JSON here")
     args = p.parse_args(argv)
-    args.max_new_tokens = [int(t) for t in args.max_new_tokens.split(",")]
-    args.buckets = tuple(int(b) for b in args.buckets.split(","))
-    data = dict(item.split("=", 1) for item in args.data.split(","))
+    from ess_jax.config import presets  # no jax
+    from ess_jax.config.schema import UserError, user_exit
+
+    args.max_new_tokens = positive_ints("--max_new_tokens", args.max_new_tokens)
+    args.buckets = tuple(positive_ints("--buckets", args.buckets))
+    try:
+        mesh_shape = presets.parse_mesh(args.mesh)
+    except UserError as e:
+        user_exit(e)
+    data = {}
+    for item in args.data.split(","):
+        name, eq, directory = item.partition("=")
+        if not eq:
+            names = ", ".join(BENCHMARKS)
+            user_exit(f"--data {args.data}: {item!r} is not NAME=DIR (names: {names})")
+        data[name] = directory
     unknown = set(data) - set(BENCHMARKS)
     if unknown:
         p.error(f"unknown benchmarks {sorted(unknown)}; valid: {', '.join(BENCHMARKS)}")
-    from ess_jax.config.schema import UserError, user_exit  # no jax
 
     for name, directory in data.items():  # before the checkpoint loads
         if not os.path.isdir(directory):
             user_exit(f"--data {name}={directory}: no such directory")
-
-    from ess_jax.config import presets
 
     try:
         presets.set_memory_fraction()  # as ess_jax.main: the planner's share of GPU memory
@@ -185,8 +210,10 @@ def main(argv=None) -> int:
     from ess_jax.sampling import sampler
 
     sharding.maybe_initialize_distributed()
-    mesh_shape = {a: int(s) for a, s in (x.split("=") for x in args.mesh.split(","))}
-    mesh = sharding.make_mesh(mesh_shape)
+    try:
+        mesh = sharding.make_mesh(mesh_shape)
+    except ValueError as e:  # an unknown axis, or sizes the devices do not fill
+        user_exit(f"--mesh {args.mesh}: {e}")
     config = base_config()
     config.model.dtype = args.dtype
     settings = experiment.trainer_settings(config.model)

@@ -37,6 +37,7 @@ from ess_jax.config import presets  # noqa: E402
 from ess_jax.config.presets import GB  # noqa: E402
 from ess_jax.config.schema import UserError, user_exit  # noqa: E402
 from ess_jax.memory import planner as memory  # noqa: E402
+from ess_jax.parallel import sharding  # noqa: E402
 
 # configs/paper/ experiment files in the order of docs/paper_scale.md's tables
 PAPER_EXPERIMENTS = (
@@ -62,9 +63,18 @@ def _module(path: str):
 
 
 def load_config(spec: str):
-    """--config=FILE[:ARG] as ess_jax.main reads it (ARG goes to get_config)."""
+    """--config=FILE[:ARG] as ess_jax.main reads it (ARG goes to get_config); UserError for a
+    file that does not exist or an ARG the file refuses (its ValueError: an unknown arm or
+    preset), a preset it does not fit aside (presets.PresetRefused, see load_planned)."""
     path, _, arg = spec.partition(":")
-    return _module(path).get_config(arg or None)
+    if not os.path.isfile(path):
+        raise UserError(f"--config {spec}: no such file {path}")
+    try:
+        return _module(path).get_config(arg or None)
+    except presets.PresetRefused:
+        raise
+    except ValueError as e:
+        raise UserError(f"config file {spec}: {e}") from e
 
 
 def load_planned(spec: str):
@@ -163,15 +173,6 @@ def table_in(path: str, begin: str = BEGIN, end: str = END) -> str:
         return f.read().partition(begin)[2].partition(end)[0].strip()
 
 
-def parse_mesh(text: str) -> dict:
-    """'fsdp=4,tensor=2' -> {'fsdp': 4, 'tensor': 2}."""
-    out = {}
-    for item in text.split(","):
-        axis, _, size = item.partition("=")
-        out[axis.strip()] = int(size)
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="FILE[:ARM[,PRESET]]")
@@ -192,9 +193,9 @@ def main(argv=None) -> int:
         p.error("--config (or --markdown) is required")
     try:
         presets.user_memory_fraction()  # the user's share of GPU memory, checked before planning
+        config, refused = load_planned(args.config)
     except UserError as e:
         user_exit(e)  # one line, exit 2: as ess_jax.main
-    config, refused = load_planned(args.config)
     preset = args.config.partition(":")[2].split(",")[-1]
     preset = presets.PRESETS.get(preset) or (
         presets.PRESETS[presets.DEFAULT] if "configs/paper/" in args.config else None
@@ -203,7 +204,19 @@ def main(argv=None) -> int:
     num_devices = args.num_devices or (preset.num_devices if preset else None)
     if device is None or num_devices is None:
         p.error("name a preset after the arm (FILE:ARM,PRESET) or give --device and --num_devices")
-    mesh = parse_mesh(args.mesh) if args.mesh else None
+    if device not in presets.HBM:
+        user_exit(f"--device {device}: unknown device; valid: {', '.join(presets.HBM)}")
+    if num_devices < 1:
+        user_exit(f"--num_devices {num_devices}: must be >= 1")
+    try:
+        mesh = presets.parse_mesh(args.mesh) if args.mesh else None
+    except UserError as e:
+        user_exit(e)
+    try:  # the axes and sizes against the devices, as the planner (and a run) lays them out
+        sharding.mesh_shape(dict(mesh or config.mesh), num_devices)
+    except ValueError as e:
+        given = f"--mesh {args.mesh}" if mesh else "config.mesh"
+        user_exit(f"{given} on {num_devices} devices: {e}")
     plan = memory.plan(config, num_devices, device, mesh)
     if refused:
         print(f"planned although the config file refuses it: {refused}")

@@ -174,6 +174,23 @@ def get(name: str) -> Preset:
     return PRESETS[name]
 
 
+def parse_mesh(text: str, flag: str = "--mesh") -> dict[str, int]:
+    """A tool's mesh flag, 'fsdp=4,tensor=2' -> {'fsdp': 4, 'tensor': 2}; UserError naming
+    `flag` for an item that is not AXIS=SIZE with an integer size. Which axes and sizes fit
+    the devices is parallel/sharding.mesh_shape's to say."""
+    out = {}
+    for item in text.split(","):
+        axis, _, size = item.partition("=")
+        try:
+            out[axis.strip()] = int(size)
+        except ValueError:
+            raise UserError(
+                f"{flag} {text}: {item!r} is not AXIS=SIZE (e.g. fsdp=4,tensor=2; one size may "
+                "be -1, the devices left)"
+            ) from None
+    return out
+
+
 # config.json fields of the paper's models (and SmolLM2), for planning without the checkpoint.
 KNOWN_MODELS: dict[str, dict] = {
     "Qwen3-4B-Thinking-2507": dict(

@@ -22,6 +22,7 @@ from ess_jax.data.datasets import (
 from ess_jax.data.tasks import TASKS, AdditionTask, CountdownTask, SortTask, Task, get_task
 from ess_jax.data.tokenizer import (
     DEFAULT_ALPHABET,
+    UnencodableError,
     char_tokenizer,
     decode_completion,
     encode_completion,
@@ -45,6 +46,7 @@ __all__ = [
     "SFTBatcher",
     "SortTask",
     "Task",
+    "UnencodableError",
     "char_tokenizer",
     "decode_completion",
     "encode_completion",

@@ -129,10 +129,28 @@ def encode_prompts(
             raise ValueError("system_prompt needs a chat template")
         ids = tokenizer(list(texts), add_special_tokens=True)["input_ids"] if texts else []
     unk = tokenizer.unk_token_id
-    for text, row in zip(texts, ids):
+    for i, (text, row) in enumerate(zip(texts, ids)):
         if unk is not None and unk in row:
-            raise ValueError(f"prompt has characters the tokenizer cannot encode: {text!r}")
+            raise UnencodableError(i, text, unencodable_chars(tokenizer, text))
     return [list(row) for row in ids]
+
+
+class UnencodableError(ValueError):
+    """A prompt with characters the tokenizer can only map to <unk>: `index` (into the texts
+    `encode_prompts` got), `text`, and `chars`, those of its characters that alone encode to
+    <unk> (empty if only a run of them does)."""
+
+    def __init__(self, index: int, text: str, chars: Sequence[str]):
+        super().__init__(f"prompt has characters the tokenizer cannot encode: {text!r}")
+        self.index, self.text, self.chars = index, text, tuple(chars)
+
+
+def unencodable_chars(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[str]:
+    """The distinct characters of `text`, in order of first use, that `tokenizer` encodes to
+    <unk> on their own."""
+    chars = list(dict.fromkeys(text))
+    rows = tokenizer(chars, add_special_tokens=False)["input_ids"] if chars else []
+    return [c for c, row in zip(chars, rows) if tokenizer.unk_token_id in row]
 
 
 def encode_completion(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:

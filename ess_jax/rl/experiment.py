@@ -19,6 +19,7 @@ from ess_jax.data import (
     CacheDirError,
     PromptBatcher,
     PromptTooLongError,
+    UnencodableError,
     char_tokenizer,
     get_task,
     load_dataset,
@@ -215,6 +216,14 @@ def _fit_buckets(config, examples, tokenizer, split: str, batch_size: int, **kw)
     except PromptTooLongError as e:
         how = "" if drop else ", or set data.drop_long_prompts=True to leave such prompts out"
         fail("data.buckets", f"{split} prompts: {e}; add a wider bucket{how}")
+    except UnencodableError as e:  # the task's text against model.source's tokenizer
+        chars = ", ".join(map(repr, e.chars)) or "(none alone, only in sequence)"
+        fail(
+            "task",
+            f"{config.task.name}: {split} example {e.index} (prompt {e.text[:60]!r}) has "
+            f"characters the tokenizer of model.source={config.model.source!r} cannot encode: "
+            f"{chars}; use a model whose tokenizer covers the task's text",
+        )
     except ValueError as e:
         fail("data.prompts_per_step", f"{split} prompts: {e}")
     if b.dropped:
