@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import compile_tpu  # noqa: E402  (tools/compile_tpu.py)
 import plan_memory  # noqa: E402  (tools/plan_memory.py)
 
-TINY = '''
+TINY = """
 from ess_jax.config.defaults import base_config
 
 
@@ -37,7 +37,7 @@ def get_config(arg=None):
     c.eval.max_new_tokens = 4
     c.eval.precision = "bfloat16"
     return c
-'''
+"""
 PROGRAMS = {"rl_step", "score", "sft_step", "reshard", "sampler_copy/bfloat16", "sample/prefill",
             "sample/decode4", "eval/prefill", "eval/decode4"}  # fmt: skip
 
@@ -153,8 +153,10 @@ def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
         (["--config=configs/nope.py:p3o,v5e-8"], "--config configs/nope.py:p3o,v5e-8: no such"),
         (["--config=configs/quickstart.py", "--topology=v9:2x2"], "topology 'v9:2x2'"),
         (["--config=configs/paper/e2_qwen25_1p5b.py:p3o,v4-8"], "libtpu describes 8 devices"),
-        (["--config=configs/quickstart.py", "--topology=v5e:2x2", "--only=rl_stp"],
-         "no program ['rl_stp']"),
+        (
+            ["--config=configs/quickstart.py", "--topology=v5e:2x2", "--only=rl_stp"],
+            "no program ['rl_stp']",
+        ),
     ],
 )
 def test_mistakes_are_one_line_exit_2(args, message, capsys):

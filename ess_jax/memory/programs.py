@@ -219,9 +219,16 @@ def run_programs(config, mesh) -> list[Program]:
         score = steps.score_fn(policy_cfg if not rank else cfg, prompt, mesh, chunks)
         out.append(Program("score", score, (params, score_in), None, resident, chunks))
     if config.sft.steps:
-        stx = make_optimizer({"lr": config.sft.lr, "warmup_steps": config.sft.warmup_steps,
-                              "total_steps": config.sft.steps, "max_grad_norm": 1.0,
-                              "schedule": "cosine", "final_lr_fraction": 0.1})  # as sft.py's
+        stx = make_optimizer(
+            {
+                "lr": config.sft.lr,
+                "warmup_steps": config.sft.warmup_steps,
+                "total_steps": config.sft.steps,
+                "max_grad_norm": 1.0,
+                "schedule": "cosine",
+                "final_lr_fraction": 0.1,
+            }
+        )  # as sft.py's
         sft_state, sft_sh = abstract_state(trained, stx, frozen)
         sft_len = int(config.sft.seq_len)
         shape = (config.sft.batch_size, sft_len)
