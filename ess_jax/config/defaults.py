@@ -22,6 +22,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.logits_chunk = 0
     c.model.remat = False  # recompute each block in the backward pass (long sequences)
     # attention of training forwards and the prefill: einsum | cudnn (NVIDIA GPU, bf16) | xla
+    # | splash (TPU, float32 / bf16; training and scoring forwards only)
     c.model.attention_impl = "einsum"
     # embedded model only (a char-level Llama-style decoder trained from scratch):
     c.model.hidden_size = 64

@@ -157,8 +157,8 @@ DOMAINS: dict[str, Domain] = {
 ESS_SCOPES = ("step", "microbatch", "microbatch_local")
 
 # ModelConfig.attention_impl (meanings: ess_jax/model/config.py; "cudnn" also needs a CUDA backend,
-# checked in experiment.validate).
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+# "splash" a TPU one, checked in experiment.validate).
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "splash")
 
 # Sampler precisions (meanings: ess_jax/sampling/precision.py).
 PRECISIONS = (

@@ -105,6 +105,8 @@ def check_rules(config) -> None:
             fail("model.num_kv_heads", f"{kv_heads} does not divide num_heads={heads}")
     if (v := get("model.attention_impl", "model.dtype")) and v[0] == "cudnn" and v[1] != "bfloat16":
         fail("model.attention_impl", f"'cudnn' needs model.dtype 'bfloat16', got {v[1]!r}")
+    if v and v[0] == "splash" and v[1] not in ("float32", "bfloat16"):
+        fail("model.attention_impl", f"'splash' needs model.dtype float32 / bfloat16, not {v[1]!r}")
     _check_lora(get)
     if v := get("rollout.max_resample_rounds", "rollout.dynamic_sampling", "rollout.group_size"):
         rounds, dynamic, group = v

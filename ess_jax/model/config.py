@@ -44,8 +44,10 @@ class ModelConfig:
     remat: bool = False
     # attention of the several-query forwards (training, the prefill; decode steps always use
     # layers.attention's one-query path): "einsum" (layers.attention, any backend), "cudnn"
-    # (jax.nn.dot_product_attention's fused kernel: NVIDIA GPUs, bf16) or "xla" (jax's
-    # reference path of the same call; layers.fused_attention)
+    # (jax.nn.dot_product_attention's fused kernel: NVIDIA GPUs, bf16), "xla" (jax's
+    # reference path of the same call; layers.fused_attention) or "splash" (jax's Pallas
+    # splash kernel: TPUs, float32 / bf16; the trainer's and scorer's forwards only, the
+    # prefill stays einsum; splash.py)
     attention_impl: str = "einsum"
     # the inputs of the seven block matmuls (q, k, v, o, gate, up, down) rounded through
     # float8_e4m3fn with a per-token scale (layers.fp8_activation): the sampler's "fp8_act"

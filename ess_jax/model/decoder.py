@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from ess_jax.model import kv_cache, lora, quant
+from ess_jax.model import kv_cache, lora, quant, splash
 from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import (
     apply_rope,
@@ -145,7 +145,11 @@ class Attention(nnx.Module):
                 return lora.project(cfg, self, "o", out, n_in=2), new_cache
             k_all = k_all.transpose(0, 1, 3, 2)  # several queries (the prefill): [B, N, S, K]
 
-        if t > 1 and (
+        if cfg.attention_impl == "splash" and cache is None and t > 1 and splash.takes(dt):
+            # the trainer's and the scorer's forwards (queries = keys 0 .. t - 1); the
+            # sampler's prefill keeps the einsum path. Segments: pads 0, real tokens 1
+            out = splash.splash_attention(q, k_all, v_all, kv_mask_BxS.astype(jnp.int32))
+        elif t > 1 and (
             cfg.attention_impl == "xla"
             # the cuDNN path is bfloat16 only: float32 forwards (a float32 sampler) use einsum
             or (cfg.attention_impl == "cudnn" and dt == jnp.bfloat16)

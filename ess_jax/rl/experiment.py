@@ -60,6 +60,12 @@ def validate(config) -> None:
             f"'cudnn' runs on NVIDIA GPUs only; this run's backend is "
             f"{jax.default_backend()!r} (use 'einsum')",
         )
+    if config.model.get("attention_impl") == "splash" and jax.default_backend() != "tpu":
+        fail(
+            "model.attention_impl",
+            f"'splash' runs on TPUs only; this run's backend is "
+            f"{jax.default_backend()!r} (use 'einsum')",
+        )
     if config.task.name not in SYNTHETIC_TASKS + LOCAL_DATASETS:
         fail(
             "task.name",
