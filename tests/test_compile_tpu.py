@@ -49,19 +49,23 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
-def _compile(tiny, topology, tmp_path, capsys):
-    out = tmp_path / f"{topology}.json"
+def _compile(tiny, topology, out_dir):
+    out = out_dir / f"{topology}.json"
     assert compile_tpu.main([f"--config={tiny}", f"--topology={topology}", f"--json={out}"]) == 0
-    capsys.readouterr()
-    return json.loads(out.read_text())
+    return out
 
 
-def test_every_program_of_a_run_compiles_for_v5e(tiny, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def v5e_record(tiny, tmp_path_factory):
+    return _compile(tiny, "v5e:2x2", tmp_path_factory.mktemp("v5e"))
+
+
+def test_every_program_of_a_run_compiles_for_v5e(tiny, v5e_record):
     """Catches a program of the run left out of the compile (the scoring pass, the SFT step,
     eval's sampler or its copy in eval.precision), compiler bytes that are not arguments +
     outputs + temporaries - aliases (the planner's count), a peak that leaves out what the run
     holds beside a program, and decode rows whose loop trips are not their new tokens."""
-    rec = _compile(tiny, "v5e:2x2", tmp_path, capsys)
+    rec = json.loads(v5e_record.read_text())
     assert (rec["topology"], rec["devices"], rec["hosts"]) == ("v5e:2x2", 4, 1)
     assert rec["device_kind"] == "TPU v5 lite" and rec["hbm_bytes"] == 16e9
     progs = rec["programs"]
@@ -110,10 +114,24 @@ def test_collective_bytes_of_known_programs():
     assert tpu.collective_bytes(reduce.as_text()) == {"all-reduce": 256 * 4}
 
 
-def test_two_host_topology(tiny, tmp_path, capsys):
+def test_replan_recomputes_the_planner_side_and_keeps_the_compilers(v5e_record, tmp_path):
+    """Catches --replan (a planner change re-read against committed compiles) that leaves a
+    stale planner or beside figure, a stale peak or verdict, or touches the compiler's bytes."""
+    rec = json.loads(v5e_record.read_text())
+    stale = json.loads(json.dumps(rec))
+    for p in stale["programs"].values():
+        p["beside_bytes"], p["planner_bytes"] = 1e12, 1.0
+    stale["peak_bytes"], stale["fits"] = 0.0, False
+    path = tmp_path / "stale.json"
+    path.write_text(json.dumps(stale))
+    assert compile_tpu.main(["--replan", str(path)]) == 0
+    assert json.loads(path.read_text()) == rec
+
+
+def test_two_host_topology(tiny, tmp_path):
     """Catches a mesh laid over one host's devices only, or a host count read wrongly, when the
     topology spans two hosts (v5e:2x4: 8 chips, 2 hosts in libtpu's description)."""
-    rec = _compile(tiny, "v5e:2x4", tmp_path, capsys)
+    rec = json.loads(_compile(tiny, "v5e:2x4", tmp_path).read_text())
     assert (rec["devices"], rec["hosts"]) == (8, 2)
     assert rec["mesh"] == {"data": 1, "fsdp": -1, "tensor": 1}
     assert all("error" not in p for p in rec["programs"].values()) and rec["fits"]

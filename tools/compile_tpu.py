@@ -75,14 +75,8 @@ def compile_spec(spec: str, topology: str | None, log=print, only=None) -> dict:
     rows = tpu.compile_run(config, devices, log=log, only=only)
     usable = presets.HBM[device] * presets.memory_fraction(device, environ={})
     peak = tpu.peak_bytes(rows)
-    chip = presets.CHIPS[device]
-    per = chip.devices_per_chip
     return {
-        "per_device": {  # the vendor's per-chip figures over the chip's devices
-            "bf16_flops": chip.bf16_flops / per,
-            "hbm_bandwidth": chip.hbm_bandwidth / per,
-            "ici_bandwidth": None if chip.ici_bandwidth is None else chip.ici_bandwidth / per,
-        },
+        "per_device": _per_device(device),
         "config": spec,
         "refused_by_config": refused,
         "topology": topology,
@@ -95,6 +89,49 @@ def compile_spec(spec: str, topology: str | None, log=print, only=None) -> dict:
         "peak_bytes": peak,
         "fits": all(r.error is None for r in rows.values()) and peak <= usable,
         "programs": {name: row.to_json() for name, row in rows.items()},
+    }
+
+
+def replan(record: dict) -> dict:
+    """`record` with its planner-side fields (each program's planner_bytes and beside_bytes,
+    the peak and `fits`, the per-device chip figures) recomputed by today's planner and
+    programs.py, the compiler's figures kept: a planner change re-reads the committed compiles
+    without recompiling them (minutes each). Builds the programs on the record's topology,
+    compiles nothing."""
+    import plan_memory
+
+    from ess_jax.memory import programs as programs_lib
+    from ess_jax.memory import tpu
+    from ess_jax.parallel import sharding
+
+    config, _ = plan_memory.load_planned(record["config"])
+    mesh = sharding.make_mesh(dict(config.mesh), tpu.topology_devices(record["topology"]))
+    built = {p.name: p for p in programs_lib.run_programs(config, mesh)}
+    out = json.loads(json.dumps(record))
+    out["per_device"] = _per_device(_device_key(record["device_kind"]))
+    peak = []
+    for name, row in out["programs"].items():
+        p = built[name]
+        row.pop("planner_bytes", None)
+        if p.planner_bytes is not None:
+            row["planner_bytes"] = p.planner_bytes
+        row["beside_bytes"] = p.beside_bytes
+        if "error" not in row:
+            peak.append(row["compiler_bytes"] + p.beside_bytes)
+    out["peak_bytes"] = float(max(peak)) if peak else float("nan")
+    ok = all("error" not in r for r in out["programs"].values())
+    out["fits"] = ok and out["peak_bytes"] <= out["usable_bytes"]
+    return out
+
+
+def _per_device(device: str) -> dict:
+    """The vendor's per-chip figures (presets.CHIPS) over the chip's devices."""
+    chip = presets.CHIPS[device]
+    per = chip.devices_per_chip
+    return {
+        "bf16_flops": chip.bf16_flops / per,
+        "hbm_bandwidth": chip.hbm_bandwidth / per,
+        "ici_bandwidth": None if chip.ici_bandwidth is None else chip.ici_bandwidth / per,
     }
 
 
@@ -178,9 +215,19 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the record here")
     p.add_argument("--only", help="comma-separated program names (default: every program)")
     p.add_argument("--markdown", action="store_true", help="the table of results/tpu/*.json")
+    p.add_argument(
+        "--replan", nargs="+", metavar="JSON",
+        help="recompute these records' planner-side fields with today's planner (no compile)",
+    )  # fmt: skip
     p.add_argument("--write", help="with --markdown: replace the table in this file")
     args = p.parse_args(argv)
     try:
+        if args.replan:
+            for path in args.replan:
+                with open(path) as f:
+                    record = replan(json.load(f))
+                _write(path, record)
+            return 0
         if args.markdown:
             import plan_memory
 
@@ -203,13 +250,18 @@ def main(argv=None) -> int:
         user_exit(e)
     print(markdown_table([record]))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(record, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(args.json + ".tmp", args.json)
-        print(f"wrote {args.json}")
+        _write(args.json, record)
     return 0
+
+
+def _write(path: str, record: dict) -> None:
+    """The record as JSON at `path`, atomically (a reader never sees half of one)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
