@@ -96,7 +96,8 @@ def test_every_program_of_a_run_compiles_for_v5e(tiny, v5e_record):
 def test_collective_bytes_of_known_programs():
     """Catches a collective parser that misses an op, counts an async start's operand with its
     output, or sizes arrays wrongly: a row-sharded f32[1024, 256] gathered to every device is
-    an all-gather of 1 MiB per device; its column sums, replicated, an all-reduce of 1 KiB."""
+    an all-gather of 1 MiB per device; its column sums, replicated, an all-reduce of 1 KiB;
+    and one that cannot tell a collective in a loop body (run once per trip) from one outside."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -112,6 +113,21 @@ def test_collective_bytes_of_known_programs():
     reduce = jax.jit(lambda x: x.sum(0), out_shardings=rep).lower(x).compile()
     assert tpu.collective_bytes(gather.as_text()) == {"all-gather": 1024 * 256 * 4}
     assert tpu.collective_bytes(reduce.as_text()) == {"all-reduce": 256 * 4}
+
+    def scan(x):  # a reduction the loop's carry depends on stays in the body; the gather not
+        def body(c, xi):
+            s = jax.lax.with_sharding_constraint((xi * c[None, :]).sum(0), rep)
+            return jnp.tanh(s), None
+
+        c, _ = jax.lax.scan(body, jnp.ones((256,), jnp.float32), x)
+        return jax.lax.with_sharding_constraint(x[0] * 2, rep), c
+
+    xs = jax.ShapeDtypeStruct(
+        (8, 1024, 256), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, "fsdp"))
+    )
+    hlo = jax.jit(scan, out_shardings=(rep, rep)).lower(xs).compile().as_text()
+    assert tpu.collective_bytes(hlo, in_loops=True) == {"all-reduce": 256 * 4}
+    assert tpu.collective_bytes(hlo, in_loops=False) == {"all-gather": 1024 * 256 * 4}
 
 
 def test_replan_recomputes_the_planner_side_and_keeps_the_compilers(v5e_record, tmp_path):

@@ -149,15 +149,22 @@ def _gb(x) -> str:
 
 
 def _collective(p: dict) -> float | None:
-    """All collective bytes of a program row; None for a record made without them."""
-    return None if "collectives" not in p else float(sum(p["collectives"].values()))
+    """Collective bytes of one call of a program row: those outside loops once, those inside
+    loop bodies (`loop_collectives`) once per loop trip; None for a record made without them
+    (a record without the loop split counts everything once)."""
+    if "collectives" not in p:
+        return None
+    total = float(sum(p["collectives"].values()))
+    looped = float(sum(p.get("loop_collectives", {}).values()))
+    return total + looped * (p["loop_trips"] - 1)
 
 
 def _estimates(p: dict, per_device: dict) -> tuple[str, str, str]:
     """(MFU, HBM floor, ICI time) of one program row, from the compiler's one-loop-body
     figures: MFU = flops / optimal_seconds / peak flop/s (the trip count cancels); the HBM
     floor reads the program's arguments once at the device's bandwidth (a decode step: the
-    weights and the KV cache); ICI time = collective bytes / the bidirectional ICI bandwidth."""
+    weights and the KV cache); ICI time = one call's collective bytes (`_collective`) / the
+    bidirectional ICI bandwidth."""
     t, flops = p.get("optimal_seconds"), p.get("flops")
     mfu = f"{flops / t / per_device['bf16_flops']:.0%}" if flops and t and t > 0 else "-"
     floor = f"{p['memory']['argument'] / per_device['hbm_bandwidth']:.3g}"
@@ -173,7 +180,7 @@ def markdown_table(records: list[dict]) -> str:
     lines = [
         "| config | topology | program | compiler GB | planner GB | planner error | "
         "GFLOP | loop trips | compiler's time (s) | est. MFU | HBM floor (s) | "
-        "collectives GB | ICI time (s) |",
+        "collectives GB per call | ICI time per call (s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rec in records:

@@ -71,6 +71,7 @@ class Row:
     error: str | None = None
     memory: dict | None = None  # argument / output / temp / alias bytes
     collectives: dict | None = None  # `collective_bytes`: kind -> bytes per device
+    loop_collectives: dict | None = None  # the part of them inside loop bodies (per trip)
 
     def to_json(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -101,15 +102,52 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u
           "s64": 8, "u64": 8}  # fmt: skip
 
 
-def collective_bytes(hlo_text: str) -> dict[str, float]:
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s")
+_CALLEE = re.compile(  # calls=, body=, condition=, to_apply=, branch_computations={...}
+    r"\b(?:calls|body|condition|to_apply|\w+_computations?)=\{?([^}\s,]+(?:,\s*%[\w.\-]+)*)"
+)
+_BODY = re.compile(r"\bbody=%([\w.\-]+)")
+
+
+def _loop_computations(hlo_text: str) -> set[str]:
+    """The computations of a module that run inside a while loop's body: each body and
+    everything it calls, transitively."""
+    callees: dict[str, set[str]] = collections.defaultdict(set)
+    bodies, name = set(), None
+    for line in hlo_text.splitlines():
+        head = _HEADER.match(line)
+        if head:
+            name = head.group(1)
+            continue
+        for group in _CALLEE.findall(line):
+            callees[name].update(c.strip().lstrip("%") for c in group.split(","))
+        bodies.update(_BODY.findall(line))
+    inside, todo = set(), list(bodies)
+    while todo:
+        c = todo.pop()
+        if c not in inside:
+            inside.add(c)
+            todo.extend(callees.get(c, ()))
+    return inside
+
+
+def collective_bytes(hlo_text: str, in_loops: bool | None = None) -> dict[str, float]:
     """Bytes per device each kind of collective produces in an optimized (SPMD-partitioned,
     per-device) HLO module: the result arrays of every collective instruction, each
     computation counted once (a loop body once, not per trip: Row.loop_trips), an async
-    `-start` by its last result array (its output; the first is its operand)."""
+    `-start` by its last result array (its output; the first is its operand). `in_loops`
+    True: only the collectives inside while-loop bodies (each runs once per trip); False:
+    only those outside; None: all."""
+    loops = _loop_computations(hlo_text) if in_loops is not None else set()
     out: collections.Counter = collections.Counter()
+    name = None
     for line in hlo_text.splitlines():
+        head = _HEADER.match(line)
+        if head:
+            name = head.group(1)
+            continue
         m = _OP.match(line)
-        if not m:
+        if not m or (in_loops is not None and (name in loops) != in_loops):
             continue
         arrays = _ARRAY.findall(m["shape"])
         if m["start"]:
@@ -159,11 +197,12 @@ def compile_run(config, devices, log=print, only=None) -> dict[str, Row]:
             continue
         compiled[program.name] = c
         total, parts = memory_bytes(c)
-        cost = _cost(c)
+        cost, hlo = _cost(c), c.as_text()
         rows[program.name] = Row(
             total, program.planner_bytes, program.beside_bytes, cost.get("flops"),
             cost.get("bytes accessed"), cost.get("optimal_seconds"), program.loop_trips,
-            time.perf_counter() - t0, memory=parts, collectives=collective_bytes(c.as_text()),
+            time.perf_counter() - t0, memory=parts, collectives=collective_bytes(hlo),
+            loop_collectives=collective_bytes(hlo, in_loops=True),
         )  # fmt: skip
         log(f"{program.name}: {total / 1e9:.3f} GB per device, compiled in "
             f"{rows[program.name].compile_seconds:.1f} s")  # fmt: skip
