@@ -18,7 +18,9 @@ and writes, without rerunning anything and byte for byte the same each time:
                                       (experiments/async_report.py);
   <results>/summary.md                every P3O-minus-baseline comparison in one table, and the
                                       collapse counts per arm;
-  <results>/stability_map.md (+ PNGs) the stability map's report (experiments/stability_map.py).
+  <results>/stability_map.md (+ PNGs) the stability map's report (experiments/stability_map.py);
+  <results>/stability_map_harsh.md (+ PNGs)  the harsh map's, opening with its declared
+                                      comparisons (experiments/harsh_headline.py).
 Collapse (dip): the first step whose 10-step mean reward falls below half of its running peak.
 Collapse (sustained): the first step from which the 10-step mean reward stays below half of its
 running peak for at least 20 consecutive steps, or to the end of the run if fewer remain.
@@ -210,9 +212,11 @@ def figure(experiment: str, arms: dict[str, dict[int, dict]], path: str) -> None
     plt.close(fig)
 
 
-# Experiments with a report of their own instead of table.md, figure.png and summary rows (the
-# stability map's 80 arms would make an unreadable table and legend): still read for shared runs.
-OWN_REPORT = ("stability_map",)
+# Experiments with a report of their own (experiments/stability_map.py) instead of table.md,
+# figure.png and summary rows (the maps' 80 and 101 arms would make an unreadable table and
+# legend; split_arm reads no harsh condition, calib+lag8_p3o among them): still read for shared
+# runs.
+OWN_REPORT = tuple(stability_map.SETTINGS)
 
 
 def shared_runs(experiments: dict[str, dict[str, dict[int, dict]]]) -> dict[str, dict]:
@@ -309,8 +313,10 @@ def analyze(results: str) -> list[str]:
     path = os.path.join(results, "summary.md")
     with open(path, "w") as f:
         f.write("\n".join(head + summary + counts_head + counts) + "\n")
-    if "stability_map" in experiments:
-        written += stability_map.write(results, experiments["stability_map"])
+    committed = experiments.get(stability_map.EXPERIMENT, {})
+    for experiment in OWN_REPORT:
+        if experiment in experiments:
+            written += stability_map.write(results, experiments[experiment], experiment, committed)
     return [*written, path]
 
 

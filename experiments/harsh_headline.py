@@ -111,7 +111,12 @@ def lines(results: str) -> list[str]:
     load = lambda name: (
         load_experiment(path) if os.path.isdir(path := os.path.join(results, name)) else {}
     )
-    harsh_arms, map_arms = load("stability_map_harsh"), load("stability_map")
+    return table(load("stability_map_harsh"), load("stability_map"))
+
+
+def table(harsh_arms: Arms, map_arms: Arms) -> list[str]:
+    """C's baseline, the five rows and C's command (once chosen): what main prints and what
+    experiments/stability_map.py writes into the harsh map's report."""
     chosen, rows = declared(harsh_arms, map_arms)
     out = [
         "## Declared comparisons (configs/mini/stability_map_harsh.py), Holm over these five",

@@ -1,20 +1,26 @@
-"""The stability map's report: which objective holds under which source of off-policyness.
+"""The stability maps' report: which objective holds under which source of off-policyness.
 
-    .venv/bin/python experiments/stability_map.py results     # this report only
-    .venv/bin/python experiments/analyze.py results           # every table, this report among them
+    .venv/bin/python experiments/stability_map.py results     # the committed map's report only
+    .venv/bin/python experiments/stability_map.py results --experiment stability_map_harsh
+    .venv/bin/python experiments/analyze.py results           # every table, these reports too
 
-Reads <results>/stability_map/<condition>_<objective>/<seed>/metrics.jsonl (the arms of
-configs/mini/stability_map.py) and writes, byte for byte the same each time:
-  <results>/stability_map.md            the stable region per objective, one table per condition,
-                                        the paired comparisons, the two figures;
-  <results>/stability_map_heatmap.png   objective x condition -> final held-out pass@1 (mean over
+Reads <results>/<experiment>/<condition>_<objective>/<seed>/metrics.jsonl (the arms of
+configs/mini/<experiment>.py; experiment: stability_map, the default, or stability_map_harsh)
+and writes, byte for byte the same each time:
+  <results>/<experiment>.md             the stable region per objective, one table per condition,
+                                        the paired comparisons, the two figures; the harsh map's
+                                        opens with its declared comparisons
+                                        (experiments/harsh_headline.py);
+  <results>/<experiment>_heatmap.png    objective x condition -> final held-out pass@1 (mean over
                                         seeds); unstable cells framed in red, with how many seeds
                                         collapse (sustained) and end below step 0; cells without
                                         runs grey ("refused": not in the config's ARMS, e.g. fp8 x
                                         p3o_full; "not run": no finished run yet);
-  <results>/stability_map_entropy.png   entropy_proxy at T 0.6 and T 1.5 for each estimator
-                                        of P3O's trust-region term, mean over seeds: per step
-                                        (faint) and its 10-step mean.
+  <results>/<experiment>_entropy.png    entropy_proxy for each estimator of P3O's trust-region
+                                        term, mean over seeds: per step (faint) and its 10-step
+                                        mean; at T 0.6 and T 1.5 on the committed map, at
+                                        t1.5+lag8 and lag32 on the harsh map (it has neither
+                                        t0.6 nor t1.5; its P3O with k3 along its tangent too).
 
 Definitions (per-run quantities are experiments/run_stats.py's run_summary):
   final held-out pass@1   pass@1 of the run's last eval (step 150 on the testbed);
@@ -44,6 +50,9 @@ Definitions (per-run quantities are experiments/run_stats.py's run_summary):
                           seeds, the seeds issue 26 gives every arm that enters a headline verdict;
                           "exploratory" for the rest (fewer seeds, or no test). Every row's Holm
                           p-value counts the whole family, exploratory rows included.
+                          On the harsh map every row is "exploratory": its confirmatory family is
+                          the five comparisons configs/mini/stability_map_harsh.py declares (A1-A3,
+                          B, C; experiments/harsh_headline.py), Holm over those five only.
 """
 
 from __future__ import annotations
@@ -55,22 +64,18 @@ import math
 import os
 import sys
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # experiments.run_stats; configs.mini, for the grid
 
 from experiments.run_stats import (  # noqa: E402
     COLLAPSE_NOTES,
-    WINDOW,
     fail,
     fingerprint,
     fmt,
     fmt_interval,
     holm,
     load_experiment,
-    moving_mean,
     paired_interval,
     paired_t,
     run_summary,
@@ -88,7 +93,39 @@ ESTIMATORS = (
     ("p3o_cap_only", "cap-only (none)"),
 )
 ENTROPY_CONDITIONS = ("t0.6", "t1.5")
-FILES = ("stability_map.md", "stability_map_heatmap.png", "stability_map_entropy.png")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What the two maps' reports differ in."""
+
+    experiment: str  # results/<experiment>/, configs/mini/<experiment>.py, <experiment>.md
+    title: str
+    entropy_conditions: tuple[str, ...]
+    estimators: tuple[tuple[str, str], ...] = ESTIMATORS
+    # The config declares its own confirmatory family (experiments/harsh_headline.py): the report
+    # opens with it and labels no per-condition comparison "corrected".
+    declared: bool = False
+
+    @property
+    def files(self) -> tuple[str, str, str]:
+        return tuple(self.experiment + end for end in (".md", "_heatmap.png", "_entropy.png"))
+
+
+SETTINGS = {
+    s.experiment: s
+    for s in (
+        Setting(EXPERIMENT, "Stability map", ENTROPY_CONDITIONS),
+        Setting(
+            "stability_map_harsh",
+            "Harsh stability map",
+            ("t1.5+lag8", "lag32"),
+            (*ESTIMATORS, ("p3o_k3_tangent", "k3 tangent")),
+            declared=True,
+        ),
+    )
+}
+FILES = SETTINGS[EXPERIMENT].files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,13 +134,14 @@ class Map:
 
     arms: dict[str, dict[int, dict]]  # {arm: {seed: run}} (run_stats.load_experiment)
     cells: dict[tuple[str, str], dict[int, dict]]  # {(condition, objective): {seed: summary}}
-    conds: list[str]  # configs/mini/stability_map.py's order, then others found, sorted
+    conds: list[str]  # configs/mini/<experiment>.py's order, then others found, sorted
     objs: list[str]
     declared: set[str]  # the config's ARMS
+    setting: Setting
 
     @classmethod
-    def of(cls, arms: dict[str, dict[int, dict]]) -> Map:
-        mod = importlib.import_module(f"configs.mini.{EXPERIMENT}")
+    def of(cls, arms: dict[str, dict[int, dict]], experiment: str = EXPERIMENT) -> Map:
+        mod = importlib.import_module(f"configs.mini.{experiment}")
         conds, objs = list(mod.CONDITIONS), list(mod.OBJECTIVES)
         for arm in sorted(arms):
             cond, obj = arm.split("_", 1)
@@ -113,7 +151,7 @@ class Map:
             tuple(arm.split("_", 1)): {s: run_summary(run) for s, run in sorted(seeds.items())}
             for arm, seeds in arms.items()
         }
-        return cls(arms, cells, conds, objs, set(mod.ARMS))
+        return cls(arms, cells, conds, objs, set(mod.ARMS), SETTINGS[experiment])
 
     def no_runs(self, cond: str, obj: str) -> str:
         """Why a cell has no runs: "refused" when the grid leaves it out, else "not run" (yet)."""
@@ -131,7 +169,8 @@ def stable_cell(summaries: list[dict]) -> bool:
 
 
 def comparisons(m: Map) -> list[dict]:
-    """Each objective minus cap-only and minus GRPO 0.2 per condition, Holm over the family."""
+    """Each objective minus cap-only and minus GRPO 0.2 per condition, Holm over the family;
+    none "corrected" on a map that declares its own family."""
     rows = []
     for cond in m.conds:
         for ref in (CAP_ONLY, GRPO):
@@ -146,7 +185,8 @@ def comparisons(m: Map) -> list[dict]:
                 rows.append({"cond": cond, "obj": obj, "ref": ref, "n": len(seeds), "t": stat})
     for row, p in zip(rows, holm([r["t"][3] for r in rows])):
         row["holm"] = p
-        row["status"] = "corrected" if row["n"] >= HEADLINE_SEEDS else "exploratory"
+        headline = row["n"] >= HEADLINE_SEEDS and not m.setting.declared
+        row["status"] = "corrected" if headline else "exploratory"
     return rows
 
 
@@ -225,18 +265,21 @@ def condition_table(m: Map, cond: str, same: list[str]) -> list[str]:
     return lines + [""]
 
 
-def report(m: Map) -> str:
-    """The text of stability_map.md."""
+def report(m: Map, declared: list[str] = ()) -> str:
+    """The text of <experiment>.md; declared: the declared comparisons' lines, after the intro."""
     same = identical(m)
     n_runs = sum(len(v) for v in m.cells.values())
+    files = m.setting.files
     lines = [
-        "# Stability map: objective x condition (configs/mini/stability_map.py)",
+        f"# {m.setting.title}: objective x condition (configs/mini/{m.setting.experiment}.py)",
         "",
         f"{n_runs} runs in {len(m.cells)} cells of {len(m.conds)} conditions x {len(m.objs)} "
         f"objectives ({len(m.declared)} cells in the grid). Definitions: "
         "experiments/stability_map.py's docstring. Stable cell: every run has no sustained "
         "collapse and held-out pass@1 at the last eval not below step 0's.",
         "",
+        *declared,
+        *([""] if declared else []),
         "## Stable region per objective",
         "",
         "| objective | stable conditions | of | not stable | no runs | stable per seed "
@@ -256,23 +299,28 @@ def report(m: Map) -> str:
             f"| {r['obj']} | {len(r['stable'])} | {len(m.conds)} | {', '.join(unstable) or '-'} "
             f"| {', '.join(absent) or '-'} | {per_seed} | {diff} |"
         )
-    lines += ["", "## Final held-out pass@1", "", f"![objective x condition]({FILES[1]})"]
+    lines += ["", "## Final held-out pass@1", "", f"![objective x condition]({files[1]})"]
     lines += ["", "## Per condition", ""]
     for cond in m.conds:
         lines += condition_table(m, cond, same.get(cond, []))
     lines += [*COLLAPSE_NOTES, "", *comparison_lines(m)]
-    lines += ["", "## Entropy of the trust-region estimators", "", f"![entropy]({FILES[2]})"]
+    lines += ["", "## Entropy of the trust-region estimators", "", f"![entropy]({files[2]})"]
     return "\n".join(lines) + "\n"
 
 
 def comparison_lines(m: Map) -> list[str]:
     rows = comparisons(m)
     family = sum(not math.isnan(r["holm"]) for r in rows)
+    status = (
+        "every row exploratory: the confirmatory family is the declared comparisons above"
+        if m.setting.declared
+        else f"corrected: {HEADLINE_SEEDS} or more seeds"
+    )
     lines = [
         "## Paired comparisons: final held-out pass@1, objective minus reference",
         "",
         f"Paired by seed; 95% t-interval; p: two-sided paired t-test; Holm over the {family} "
-        f"comparisons with 2 or more seeds; corrected: {HEADLINE_SEEDS} or more seeds.",
+        f"comparisons with 2 or more seeds; {status}.",
         "",
         "| condition | objective | minus | seeds | difference [95% t-interval] | p | p (Holm) "
         "| status |",
@@ -286,106 +334,47 @@ def comparison_lines(m: Map) -> list[str]:
     return lines
 
 
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def load(results: str, experiment: str) -> dict[str, dict[int, dict]]:
+    """{arm: {seed: run}} of <results>/<experiment>/, {} without that directory."""
+    exp_dir = os.path.join(results, experiment)
+    return load_experiment(exp_dir) if os.path.isdir(exp_dir) else {}
 
 
-def save(plt, fig, path: str) -> None:
-    """PNG without the matplotlib version in its metadata, so the bytes depend on the data."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=80, metadata={"Software": None})
-    plt.close(fig)
+def write(
+    results: str,
+    arms: dict[str, dict[int, dict]] | None = None,
+    experiment: str = EXPERIMENT,
+    committed: dict[str, dict[int, dict]] | None = None,
+) -> list[str]:
+    """Writes the experiment's report and its two figures next to it; returns the paths written.
+    committed: the committed map's arms, which the harsh map's comparison B reads (from
+    <results>/stability_map/ when not given)."""
+    from experiments import stability_map_figures as figures
 
-
-def heatmap(m: Map, path: str) -> None:
-    plt = pyplot()
-    text = {"ha": "center", "va": "center", "fontsize": 7}
-    value = np.full((len(m.objs), len(m.conds)), np.nan)
-    fig, ax = plt.subplots(figsize=(1.1 * len(m.conds) + 3, 0.55 * len(m.objs) + 1.5))
-    for i, obj in enumerate(m.objs):
-        for j, cond in enumerate(m.conds):
-            runs = list(m.cells.get((cond, obj), {}).values())
-            if not runs:
-                ax.text(j, i, m.no_runs(cond, obj), color="dimgrey", **text)
-                continue
-            value[i, j] = np.mean([r["pass1"] for r in runs])
-            sus = sum(r["sustained"] is not None for r in runs)
-            below = sum(r["below_step0"] for r in runs)
-            note = f"{sus}/{len(runs)} coll" if sus else f"n={len(runs)}"
-            note += f"\n{below}/{len(runs)} < step 0" if below else ""
-            color = "white" if value[i, j] < 0.5 else "black"
-            ax.text(j, i, f"{value[i, j]:.2f}\n{note}", color=color, **text)
-            if not stable_cell(runs):
-                frame = plt.Rectangle((j - 0.46, i - 0.46), 0.92, 0.92, fill=False, lw=2)
-                ax.add_patch(frame).set_edgecolor("red")
-    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
-    im = ax.imshow(np.ma.masked_invalid(value), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
-    ax.set_xticks(range(len(m.conds)), m.conds)
-    ax.set_yticks(range(len(m.objs)), m.objs)
-    fig.colorbar(im, ax=ax, label="final held-out pass@1 (mean over seeds)")
-    ax.set_title(
-        "red frame: not stable (k/n coll: sustained collapses; < step 0: held-out pass@1 at "
-        "the last eval below step 0's)",
-        fontsize=9,
-    )
-    save(plt, fig, path)
-
-
-def entropy_figure(m: Map, path: str) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(ENTROPY_CONDITIONS), figsize=(12, 4.5))
-    cmap = plt.get_cmap("tab10")
-    for ax, cond in zip(np.atleast_1d(axes), ENTROPY_CONDITIONS):
-        for k, (obj, label) in enumerate(ESTIMATORS):
-            seeds = m.arms.get(f"{cond}_{obj}", {})
-            curves = [
-                [(r["step"], r.get("entropy_proxy", np.nan)) for r in seeds[s]["train"]]
-                for s in sorted(seeds)
-            ]
-            n = min((len(c) for c in curves), default=0)
-            if n < WINDOW:
-                continue
-            y = np.array([[v for _, v in c[:n]] for c in curves], np.float64).mean(0)
-            x = np.array([st for st, _ in curves[0][:n]])
-            ax.plot(x, y, color=cmap(k), lw=0.6, alpha=0.35)
-            label = f"{label} ({len(curves)})"
-            ax.plot(x[WINDOW - 1 :], moving_mean(y), color=cmap(k), lw=1.6, label=label)
-        ax.set_title(f"{cond}: entropy proxy (-mean logp)")
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="best", title="estimator (seeds)")
-    fig.suptitle(
-        f"P3O's trust-region estimators, mean over seeds: per step (faint), {WINDOW}-step mean"
-    )
-    save(plt, fig, path)
-
-
-def write(results: str, arms: dict[str, dict[int, dict]] | None = None) -> list[str]:
-    """Writes the report and its two figures next to it; returns the paths written."""
-    if arms is None:
-        exp_dir = os.path.join(results, EXPERIMENT)
-        arms = load_experiment(exp_dir) if os.path.isdir(exp_dir) else {}
+    arms = load(results, experiment) if arms is None else arms
     if not arms:
-        fail(f"{results}: no {EXPERIMENT}/<arm>/<seed>/metrics.jsonl under it")
-    md, hm, ent = (os.path.join(results, f) for f in FILES)
-    m = Map.of(arms)
+        fail(f"{results}: no {experiment}/<arm>/<seed>/metrics.jsonl under it")
+    md, hm, ent = (os.path.join(results, f) for f in SETTINGS[experiment].files)
+    m = Map.of(arms, experiment)
+    declared = []
+    if m.setting.declared:
+        from experiments import harsh_headline
+
+        committed = load(results, EXPERIMENT) if committed is None else committed
+        declared = harsh_headline.table(arms, committed)
     with open(md, "w") as f:
-        f.write(report(m))
-    heatmap(m, hm)
-    entropy_figure(m, ent)
+        f.write(report(m, declared))
+    figures.heatmap(m, hm)
+    figures.entropy_figure(m, ent)
     return [md, hm, ent]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="directory written by experiments/reproduce.py")
-    for path in write(ap.parse_args(argv).results):
+    ap.add_argument("--experiment", choices=sorted(SETTINGS), default=EXPERIMENT)
+    args = ap.parse_args(argv)
+    for path in write(args.results, experiment=args.experiment):
         print("wrote", path)
 
 

@@ -12,7 +12,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "exp
 import analyze  # noqa: E402
 import stability_map  # noqa: E402
 
-from experiments import run_stats  # noqa: E402
+from configs.mini import stability_map_harsh as harsh  # noqa: E402
+from experiments import run_stats, stability_map_figures  # noqa: E402
 
 
 def _write_run(path, rewards, pass1, pass1_step0=0.3, entropy=1.0):
@@ -94,6 +95,7 @@ def test_report_tables_and_regeneration_is_byte_identical(tmp_path, monkeypatch)
     first = analyze.analyze(str(root))
     names = [os.path.join(root, f) for f in stability_map.FILES]
     assert set(names) <= set(first)
+    assert not any("stability_map_harsh" in p for p in first)  # no harsh runs: no harsh report
     blobs = {p: open(p, "rb").read() for p in names}
     assert stability_map.write(str(root)) == names
     assert all(open(p, "rb").read() == blobs[p] for p in names)
@@ -120,3 +122,65 @@ def test_report_tables_and_regeneration_is_byte_identical(tmp_path, monkeypatch)
     )
     assert "| p3o_cap_only | 2 | 10 | - |" in text and text.count("| widest |") == 2
     assert "| p3o | 1 | 10 | t1.5 |" in text
+
+
+def test_harsh_report_opens_with_the_declared_five_and_labels_no_condition_row_corrected(
+    tmp_path, monkeypatch
+):
+    """Catches analyze.py treating the harsh map as a table.md experiment (split_arm misreads
+    calib+lag8_p3o, 101 arms in one legend) or leaving its report unwritten; a harsh report
+    without the declared comparisons or whose B ignores the committed map's calib runs; a
+    per-condition row with 5 seeds labelled "corrected" on the harsh map, whose only
+    confirmatory family is the declared five; an entropy figure drawn for t0.6 and t1.5, which
+    the harsh map has not; and stability_map.py --experiment writing other bytes than analyze."""
+    root = tmp_path / "results"
+    exp = root / "stability_map_harsh"
+    for seed in range(5):
+        for cond in harsh.CONDITIONS:
+            _write_run(exp / f"{cond}_vcpo" / str(seed), FLAT, 0.5)
+            falls = cond == "lag32" and seed % 2 == 0  # stable in 5, 6, 5, 6, 5 conditions
+            _write_run(exp / f"{cond}_grpo_tis" / str(seed), FALL if falls else FLAT, 0.4)
+        for cond in ("t1.5+lag8", "lag32"):
+            _write_run(exp / f"{cond}_p3o_cap_only" / str(seed), FLAT, 0.5 + 0.02 * seed)
+            _write_run(exp / f"{cond}_p3o" / str(seed), FLAT, 0.4 + 0.01 * seed, entropy=2.0)
+    for seed in range(3):  # B: P3O - cap-only under the committed map's calib, -0.2 each seed
+        _write_run(root / "stability_map" / "calib_p3o" / str(seed), FLAT, 0.3)
+        _write_run(root / "stability_map" / "calib_p3o_cap_only" / str(seed), FLAT, 0.5)
+    panels = {}
+    save = stability_map_figures.save
+
+    def spy(plt, fig, path):
+        panels[os.path.basename(path)] = [
+            (ax.get_title(), ax.get_legend_handles_labels()[1]) for ax in fig.axes
+        ]
+        save(plt, fig, path)
+
+    monkeypatch.setattr(stability_map_figures, "save", spy)
+    monkeypatch.setattr(analyze, "figure", lambda *args: None)
+    files = [os.path.join(root, f) for f in stability_map.SETTINGS["stability_map_harsh"].files]
+    written = analyze.analyze(str(root))
+    assert set(files) <= set(written) and not (exp / "table.md").exists()
+    assert "stability_map_harsh" not in (root / "summary.md").read_text()
+    blobs = {p: open(p, "rb").read() for p in files}
+    assert stability_map.main([str(root), "--experiment", "stability_map_harsh"]) is None
+    assert all(open(p, "rb").read() == blobs[p] for p in files)
+    text = blobs[files[0]].decode()
+    assert text.startswith("# Harsh stability map: objective x condition")
+    assert text.index("## Declared comparisons") < text.index("## Stable region per objective")
+    # A1: differences 1, 0, 1, 0, 1 (mean 0.6, sd sqrt(0.3), t = sqrt(6), 4 df: p = 0.07048);
+    # B: -0.2 every seed, p 0; A2, A3 and C not computable (p 1): Holm max(0, 4 x 0.07048)
+    assert "| A1 vcpo - grpo_tis: stable conditions | 5 of 10 | +0.600 [" in text
+    assert "| 0.0705 | 0.2819 | no |" in text
+    assert "| B p3o - p3o_cap_only at calib: held-out pass@1 | 3 of 10 | -0.200 [" in text
+    assert "| A2 vcpo - p3o_cap_only: stable conditions | 0 of 10 | - | - | 1.0000 | no |" in text
+    assert "| t1.5+lag8 | p3o | p3o_cap_only | 5 |" in text
+    assert text.count("| p3o_full | 0 | refused |") == 1  # calib+lag8 x p3o_full only
+    assert "| corrected |" not in text and "every row exploratory" in text
+    assert text.count("| exploratory |") == 6  # 3 objectives minus cap-only at 2 conditions
+    # the same rows on the committed map's setting would be corrected: the test can fail
+    m = stability_map.Map.of(run_stats.load_experiment(str(exp)))
+    assert {r["status"] for r in stability_map.comparisons(m)} == {"corrected"}
+    titles = [t for t, _ in panels["stability_map_harsh_entropy.png"]]
+    assert titles == [f"{c}: entropy proxy (-mean logp)" for c in ("t1.5+lag8", "lag32")]
+    legend = ["k3 (paper) (5)", "cap-only (none) (5)"]
+    assert [labels for _, labels in panels["stability_map_harsh_entropy.png"]] == [legend] * 2
