@@ -59,7 +59,8 @@ def choose_baseline(arms: Arms) -> str | None:
         if any(r is None for r in per_seed):
             return None
         runs = [r for seed_runs in per_seed for r in seed_runs]
-        pass1 = float(np.mean([r["pass1"] for r in runs]))
+        pass1 = float(np.nanmean([r["pass1"] for r in runs]))  # a run without evals: NaN
+        pass1 = pass1 if pass1 == pass1 else -math.inf  # never ranks by accident
         scores.append((sum(map(stable_run, runs)), pass1, -rank, objective))
     return max(scores)[3]
 

@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", required=True)
     args, rest = ap.parse_known_args(argv)
     variants = parse_variants(rest)
+    # the variants run from the repository root: paths typed from elsewhere made absolute
+    args.root = os.path.abspath(args.root)
+    path, sep, arm = args.config.partition(":")
+    args.config = os.path.abspath(path) + sep + arm
     log_dir = os.path.join(args.root, "logs")
     os.makedirs(log_dir, exist_ok=True)
     finished, failed = [], {}

@@ -73,8 +73,8 @@ def test_the_optimizer_refuses_a_schedule_it_does_not_implement():
 
 
 def test_the_sft_warm_start_names_its_schedule(monkeypatch):
-    """Catches the SFT warm start relying on the optimizer's fallback for its cosine decay (a
-    ValueError now that there is none), or running another schedule than its docstring's."""
+    """Catches the SFT warm start without a schedule of its own (the optimizer has no fallback
+    and refuses it), or running another schedule than its docstring's."""
     seen = []
 
     def record(cfg):

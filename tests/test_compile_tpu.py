@@ -78,6 +78,7 @@ def test_every_program_of_a_run_compiles_for_v5e(tiny, v5e_record):
         assert (p.get("planner_bytes", 0) > 0) == (name != "score"), name
     peak = max(p["compiler_bytes"] + p["beside_bytes"] for p in progs.values())
     assert rec["peak_bytes"] == peak and rec["fits"] and peak < rec["usable_bytes"]
+    assert rec["only"] is None
     # the train state lives beside the sampler (the planner's bytes of params and AdamW state):
     # the sampler's rows carry it, the step's do not (it is the step's argument)
     from ess_jax.memory import planner
@@ -132,7 +133,8 @@ def test_collective_bytes_of_known_programs():
 
 def test_replan_recomputes_the_planner_side_and_keeps_the_compilers(v5e_record, tmp_path):
     """Catches --replan (a planner change re-read against committed compiles) that leaves a
-    stale planner or beside figure, a stale peak or verdict, or touches the compiler's bytes."""
+    stale planner or beside figure, a stale peak or verdict, or touches the compiler's bytes;
+    and a `fits` verdict on a record that compiled only some of the run's programs."""
     rec = json.loads(v5e_record.read_text())
     stale = json.loads(json.dumps(rec))
     for p in stale["programs"].values():
@@ -142,6 +144,12 @@ def test_replan_recomputes_the_planner_side_and_keeps_the_compilers(v5e_record, 
     path.write_text(json.dumps(stale))
     assert compile_tpu.main(["--replan", str(path)]) == 0
     assert json.loads(path.read_text()) == rec
+    # a record of some programs only (--only) gives no verdict: the others may be the largest
+    part = {**rec, "programs": {"rl_step": rec["programs"]["rl_step"]}}
+    path.write_text(json.dumps(part))
+    assert compile_tpu.main(["--replan", str(path)]) == 0
+    replanned = json.loads(path.read_text())
+    assert replanned["only"] == ["rl_step"] and replanned["fits"] is None
 
 
 def test_two_host_topology(tiny, tmp_path):

@@ -87,14 +87,16 @@ def compile_spec(spec: str, topology: str | None, log=print, only=None) -> dict:
         "hbm_bytes": presets.HBM[device],
         "usable_bytes": usable,
         "peak_bytes": peak,
-        "fits": all(r.error is None for r in rows.values()) and peak <= usable,
+        # None with --only: the programs left out may be the largest
+        "only": list(only) if only else None,
+        "fits": None if only else all(r.error is None for r in rows.values()) and peak <= usable,
         "programs": {name: row.to_json() for name, row in rows.items()},
     }
 
 
 def replan(record: dict) -> dict:
-    """`record` with its planner-side fields (each program's planner_bytes and beside_bytes,
-    the peak and `fits`, the per-device chip figures) recomputed by today's planner and
+    """`record` with its planner-side fields (each program's planner_bytes, beside_bytes and
+    loop_trips, the peak and `fits`, the per-device chip figures) recomputed by today's planner and
     programs.py, the compiler's figures kept: a planner change re-reads the committed compiles
     without recompiling them (minutes each). Builds the programs on the record's topology,
     compiles nothing."""
@@ -116,11 +118,14 @@ def replan(record: dict) -> dict:
         if p.planner_bytes is not None:
             row["planner_bytes"] = p.planner_bytes
         row["beside_bytes"] = p.beside_bytes
+        row["loop_trips"] = p.loop_trips
         if "error" not in row:
             peak.append(row["compiler_bytes"] + p.beside_bytes)
     out["peak_bytes"] = float(max(peak)) if peak else float("nan")
+    if set(out["programs"]) < set(built):  # compiled with --only
+        out["only"] = sorted(out["programs"])
     ok = all("error" not in r for r in out["programs"].values())
-    out["fits"] = ok and out["peak_bytes"] <= out["usable_bytes"]
+    out["fits"] = None if out.get("only") else ok and out["peak_bytes"] <= out["usable_bytes"]
     return out
 
 
@@ -199,7 +204,9 @@ def markdown_table(records: list[dict]) -> str:
                 f"{'-' if flops is None else f'{flops / 1e9:.3g}'} | {p['loop_trips']} | "
                 f"{'-' if t is None else f'{t:.3g}'} | {mfu} | {floor} | {_gb(coll)} | {ici_s} |"
             )
-        verdict = "fits" if rec["fits"] else "does not fit"
+        verdict = {True: "fits", False: "does not fit"}.get(
+            rec["fits"], "compiled programs only (--only)"
+        )
         lines.append(
             f"| `{rec['config']}` | {rec['topology']} | **peak** | {_gb(rec['peak_bytes'])} of "
             f"{_gb(rec['usable_bytes'])} usable: {verdict} |" + " |" * 9

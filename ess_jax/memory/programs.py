@@ -170,6 +170,16 @@ def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, ne
     return out
 
 
+def _step_trips(objective_cfg, m: int) -> int:
+    """How often the RL step's micro-batch loop body runs: M, or M - 1 for a loss that reads
+    the step's ESS (objectives/scopes.py's statistics pass from M = 3 on: its forward scan and
+    the gradient scan each run M - 1 micro-batches, the last one outside both loops)."""
+    reads_ess = obj_lib.get_objective(objective_cfg.name).ess_in_loss
+    if reads_ess and objective_cfg.ess_scope == "step" and m > 2:
+        return m - 1
+    return m
+
+
 def run_programs(config, mesh) -> list[Program]:
     """Every distinct program a (synchronous) run of `config` compiles, on `mesh`."""
     sizes = dict(mesh.shape)
@@ -210,14 +220,16 @@ def run_programs(config, mesh) -> list[Program]:
     train_terms = sum(plan.phases["train step"].values())
     out = [
         Program("rl_step", step, (state, batch), held + _bytes(batch) + train_terms,
-                beside_train, t.num_microbatches)
+                beside_train, _step_trips(objective_cfg, t.num_microbatches))
     ]  # fmt: skip
     if scored:
         chunks = t.num_microbatches * t.updates_per_batch
         whole = _batch(rows * t.updates_per_batch, prompt, length, mesh)
         score_in = {k: whole[k] for k in _SEQUENCE}
         score = steps.score_fn(policy_cfg if not rank else cfg, prompt, mesh, chunks)
-        out.append(Program("score", score, (params, score_in), None, resident, chunks))
+        out.append(
+            Program("score", score, (params, score_in), None, resident - _bytes(params), chunks)
+        )
     if config.sft.steps:
         stx = make_optimizer(
             {
