@@ -126,21 +126,9 @@ def _train_case(case):
 
 
 def _abstract_state(params, tx, frozen=None):
-    import jax
-    import optax
+    from ess_jax.memory import programs
 
-    from ess_jax.rl import steps
-
-    mesh = jax.tree.leaves(params)[0].sharding.mesh
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt = jax.eval_shape(tx.init, params)
-    opt_sh = optax.tree_map_params(
-        tx, lambda _, p: p.sharding, opt, params, transform_non_params=lambda _: rep
-    )
-    opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt, opt_sh)
-    scalar = jax.ShapeDtypeStruct((), "int32", sharding=rep)
-    state = steps.TrainState(params, opt, scalar, scalar, frozen)
-    return state, jax.tree.map(lambda x: x.sharding, state)
+    return programs.abstract_state(params, tx, frozen)
 
 
 def _sample_case(case):
