@@ -23,6 +23,18 @@ three seeds of three arms. Arms (configs/mini/common.OBJECTIVES, nothing tuned p
         --workdir=runs/smollm2_mismatch/p3o/0
 
 `:tiny_<arm>` runs 2 steps of that arm (a smoke test).
+
+Budget `lr1e-5` (`:<arm>,lr1e-5`, results in results/smollm2_mismatch_lr1e-5/): the same three
+arms with every arm's learning rate 1e-5 (10x), nothing else changed. Declared before its runs,
+because at lr 1e-6 x 40 steps no arm learned (train reward 0.13 -> 0.16, held-out pass@1 at most
+3 of 40; results/smollm2_mismatch.md), so that budget could not show a collapse. The question
+and its reading are fixed now: an arm "collapses" if its train reward over steps 30-39 falls
+below half of its steps 0-9 mean, or its loss or gradient goes non-finite; it "learns" if its
+held-out pass@1 at step 40 exceeds step 0's by 0.1 (4 of 40 samples). Three seeds per arm,
+exploratory (no Holm family is declared over them).
+
+    python -m ess_jax.main --config=configs/smollm2_mismatch.py:p3o,lr1e-5 --config.seed=0 \\
+        --workdir=runs/smollm2_mismatch_lr1e-5/p3o/0
 """
 
 from configs.mini.common import with_objective
@@ -30,10 +42,17 @@ from configs.smollm2_arith import get_config as arith_config
 
 ARMS = ("p3o", "p3o_cap_only", "vcpo")
 STEPS = 40
+BUDGETS = {"": 1e-6, "lr1e-5": 1e-5}  # budget name -> every arm's learning rate
 
 
 def get_config(arg: str | None = None):
-    tiny = bool(arg) and arg.startswith("tiny_")
+    arg, _, budget = (arg or "").partition(",")
+    if budget not in BUDGETS:
+        raise ValueError(
+            f"unknown budget {budget!r}; this file's budgets: {', '.join(b for b in BUDGETS if b)}"
+            " (or none: lr 1e-6)"
+        )
+    tiny = arg.startswith("tiny_")
     arm = arg[len("tiny_"):] if tiny else arg
     if arm not in ARMS:
         raise ValueError(
@@ -44,4 +63,5 @@ def get_config(arg: str | None = None):
     if not tiny:
         c.train.steps = STEPS
         c.eval.every = STEPS // 2
+    c.optim.lr = BUDGETS[budget]
     return with_objective(c, arm)
