@@ -25,7 +25,7 @@ import pytest
 from configs.mini import common
 from ess_jax import objectives as O
 from ess_jax.config.defaults import base_config
-from ess_jax.config.domains import CHOICES
+from ess_jax.config.fields import CHOICES
 from ess_jax.objectives import scopes
 from ess_jax.objectives import vcpo as V
 

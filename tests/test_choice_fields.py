@@ -12,7 +12,8 @@ from configs import quickstart
 from ess_jax.config import names
 from ess_jax.config import schema as config_checks
 from ess_jax.config.defaults import base_config
-from ess_jax.config.domains import CHOICES, FREE_STRINGS, KL_ESTIMATOR_NAMES, MODEL_DTYPES
+from ess_jax.config.domains import KL_ESTIMATOR_NAMES, MODEL_DTYPES
+from ess_jax.config.fields import CHOICES, FREE_STRINGS
 from ess_jax.config.schema import ConfigError
 from ess_jax.objectives import kl
 from ess_jax.objectives.config import FULL_KL, ObjectiveConfig
@@ -26,9 +27,10 @@ def tiny(**overrides):
 
 
 def test_every_string_field_has_a_domain_or_is_free_form():
-    """Catches a fixed-choice string field added to defaults.py without a CHOICES domain (as
-    optim.schedule and rollout.advantage_mode were: any value passed the checks), a field both
-    free-form and fixed, and an entry whose field was renamed (it would check nothing)."""
+    """Catches a string field whose record declares no string domain (a `Choice` for
+    CHOICES, a `Free` for FREE_STRINGS: with neither, any value of optim.schedule or
+    rollout.advantage_mode would pass the checks), a field in both tables, and a default outside
+    its own choices."""
     fields = {p for p, v in names.leaves(base_config().to_dict()) if isinstance(v, str)}
     assert not set(CHOICES) & set(FREE_STRINGS)
     assert fields == set(CHOICES) | set(FREE_STRINGS)

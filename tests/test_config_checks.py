@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from configs import quickstart
-from ess_jax.config import names
+from ess_jax.config import fields, names
 from ess_jax.config import schema as config_checks
 from ess_jax.config.defaults import base_config
 from ess_jax.config.schema import ConfigError
@@ -147,9 +147,9 @@ def _numeric_fields(node, prefix=""):
 
 
 def test_every_numeric_field_has_a_domain():
-    """A numeric field added to defaults.py without a domain would go unchecked (and a domain
-    whose field was renamed would check nothing)."""
-    assert set(_numeric_fields(base_config())) == set(config_checks.DOMAINS)
+    """A numeric field whose record declares no numeric `Domain` (config/fields.py) would go
+    unchecked, and a numeric domain on a field that holds no number would check nothing."""
+    assert set(_numeric_fields(base_config())) == set(fields.DOMAINS)
 
 
 def _config_files():
@@ -170,7 +170,7 @@ def test_config_files_pass_the_checks_given_their_required_fields(mod, arm):
     fields left to the command line (placeholders) are refused until given."""
     c = mod.get_config(arm)
     required = [p for p, v in names.leaves(c.to_dict()) if v is None]
-    required = [p for p in required if p not in config_checks.DOMAINS]  # not the optional
+    required = [p for p in required if p not in fields.DOMAINS]  # not the optional
     if required:
         with pytest.raises(ConfigError, match=rf"config\.{re.escape(required[0])}: required"):
             config_checks.check(c)

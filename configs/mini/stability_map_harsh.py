@@ -15,7 +15,7 @@ k3 continued along its tangent, DPPO, IcePop, Seq-MIS, Geo-RS, VCPO with its aut
 M2PO as AReaL runs it and as its authors' code does. 6 x 17 = 102 cells less calib+lag8 x
 p3o_full (a low-precision decode cannot be re-scored exactly: check_full_kl refuses it): 101
 arms. Lag 32 holds 33 policy versions of 102,208 float32 params (13 MB) in memory and in each
-of the 2 kept checkpoints; rollout.lag has no upper bound in config/domains.py.
+of the 2 kept checkpoints; rollout.lag has no upper bound in config/fields.py.
 
 Declared comparisons, written before any run of this file. The Holm family is these five and
 nothing else; every other number of the report is exploratory.

@@ -1,7 +1,8 @@
-"""Field names: the paths of `defaults.base_config`, the mappings whose keys are free-form, the
-names researchers bring from other frameworks (TRL, verl, Hugging Face Trainer), and the one-line
-"did you mean" for a name that is no field (`unknown_field`, `explain_flag_error`), which maps
-such a name to the field it means here.
+"""Field names: the paths of `defaults.base_config` and the keys inside its free-form mappings
+(fields.FREE_FORM: the synthetic task's dials), the names researchers bring from other
+frameworks (TRL, verl, Hugging Face Trainer), and the one-line "did you mean" for a name that is
+no field (`unknown_field`, `explain_flag_error`), which maps such a name to the field it means
+here.
 """
 
 from __future__ import annotations
@@ -13,10 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ess_jax.config.defaults import base_config
-
-# Mappings whose keys a config chooses: the synthetic task's own dials ({"digits": 2}),
-# checked by constructing the task in experiment.validate.
-FREE_FORM = ("task.difficulty",)
+from ess_jax.config.fields import FREE_FORM
 
 # A name typed in place of a field -> that field. A "section.name" key applies in that section
 # only; a bare name anywhere, and when the typed section has a field of the target's name

@@ -1,6 +1,7 @@
-"""Config checks that need no jax: each numeric field's domain, required fields, the values of
-fixed-choice string fields (the tables of both: domains.py), field names, the rules between
-fields, and the rollouts whose pi_b objective.kl_estimator "full" cannot re-score exactly.
+"""Config checks that need no jax: each field's value against the domain its record declares
+(fields.RECORDS: a number's interval, a fixed-choice string's values, a bool, a string), required
+fields, field names, the rules between fields, and the rollouts whose pi_b
+objective.kl_estimator "full" cannot re-score exactly.
 
 `check(config)` runs first in `experiment.validate`, and in `main` before jax is even imported,
 so `--config.optim.lr=-0.5` fails in well under a second, before the workdir is touched, with
@@ -16,11 +17,8 @@ from typing import NoReturn
 
 from ess_jax.config import names
 from ess_jax.config.defaults import base_config
-from ess_jax.config.domains import (
-    CHOICES,
-    DOMAINS,
-    LORA_TARGETS,
-)
+from ess_jax.config.domains import LORA_TARGETS, Domain
+from ess_jax.config.fields import RECORDS
 from ess_jax.config.names import as_dict, leaves, unknown_field
 
 # The exit status of a mistake the user can fix, in `main` and the tools (argparse's too).
@@ -69,9 +67,9 @@ def fail(path: str, msg: str):
 
 def check(config) -> None:
     """Every field is one of base_config's (`check_fields`), required fields are set, every
-    numeric field is in its domain, every field of CHOICES is one of its values, the rollout can
-    be re-scored for objective.kl_estimator "full", and the rules between fields hold
-    (`check_rules`); else ConfigError naming the first bad field."""
+    field's value is in its record's domain (a number in its interval, a fixed-choice string one
+    of its values), the rollout can be re-scored for objective.kl_estimator "full", and the
+    rules between fields hold (`check_rules`); else ConfigError naming the first bad field."""
     check_fields(config)
     _check_values(config)
     check_full_kl(config)
@@ -234,20 +232,22 @@ def check_full_kl(config) -> None:
 
 
 def _check_values(config) -> None:
+    """Each value against its field's record (fields.RECORDS): None only where the domain is
+    optional; a sequence of numbers (data.buckets) element by element. Keys inside a free-form
+    mapping (task.difficulty) have no record: the task checks them."""
     for path, value in leaves(as_dict(config)):
-        dom = DOMAINS.get(path)
+        record = RECORDS.get(path)
         if value is None:
-            if dom is None or not dom.optional:
+            if record is None or not record.domain.optional:
                 fail(path, f"required and not set: give it, e.g. --config.{path}=...")
             continue
-        if path in CHOICES and value not in CHOICES[path]:
-            fail(path, f"must be one of {', '.join(map(repr, CHOICES[path]))}, got {value!r}")
-        if dom is None:
+        if record is None:
             continue
-        values = value if isinstance(value, (list, tuple)) else (value,)
-        for v in values:
-            if not dom.contains(v):
-                fail(path, f"must be {dom.describe()}, got {value!r}")
+        domain = record.domain
+        sequence = isinstance(domain, Domain) and isinstance(value, (list, tuple))
+        for v in value if sequence else (value,):
+            if not domain.contains(v):
+                fail(path, f"must be {domain.describe()}, got {value!r}")
 
 
 def lora_targets(value) -> tuple[str, ...]:

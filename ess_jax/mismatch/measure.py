@@ -53,7 +53,7 @@ def one_device_mesh():
 
 def load_model(source: str, mesh, init_seed: int = 0) -> Model:
     """The model `source` names, float32, params on `mesh`'s one device. embedded: the
-    char-level model of config/defaults.py, initialised from `init_seed` (untrained)."""
+    char-level model of config/fields.py, initialised from `init_seed` (untrained)."""
     mcfg = base_config().model
     mcfg.init_seed = init_seed
     if source in ("embedded", "smollm2"):

@@ -5,11 +5,7 @@ Inside the package imports flow kl -> config -> core -> losses -> registry -> sc
 """
 
 from ess_jax.objectives.config import (
-    AGGREGATIONS,
-    DUAL_VERSIONS,
     FULL_KL,
-    IS_LEVELS,
-    REF_KL_ESTIMATORS,
     SCOPES,
     ObjectiveConfig,
 )
@@ -65,10 +61,7 @@ from ess_jax.objectives.registry import (
 from ess_jax.objectives.scopes import combine_metrics, step_loss_and_grad
 
 __all__ = [
-    "AGGREGATIONS",
-    "DUAL_VERSIONS",
     "FULL_KL",
-    "IS_LEVELS",
     "SCOPES",
     "ObjectiveConfig",
     "METRIC_KEYS",
@@ -81,7 +74,6 @@ __all__ = [
     "step_statistics",
     "token_counts",
     "KL_ESTIMATORS",
-    "REF_KL_ESTIMATORS",
     "EssSums",
     "combine_ess_sums",
     "effective_sample_size",

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from ess_jax.objectives import correction, losses, m2po_forms, vcpo
-from ess_jax.objectives.config import FIELDS, FULL_KL, ObjectiveConfig
+from ess_jax.objectives.config import DEFAULT_CLIPS, FIELDS, FULL_KL, ObjectiveConfig
 from ess_jax.objectives.core import Batch, Metrics
 
 Loss = Callable[[jax.Array, Batch, ObjectiveConfig], tuple[jax.Array, Metrics]]
@@ -51,7 +51,7 @@ class Objective:
     fields: tuple[str, ...] = ()  # ObjectiveConfig fields it reads beyond SHARED_FIELDS
     needs_prox: bool = False  # batch["prox_logp"] required
     ess_in_loss: bool = False  # the loss reads ess / ess_prox (not only as a metric)
-    paper_clips: tuple[float, float] = (0.2, 0.2)  # clip_eps_low / high when not given
+    paper_clips: tuple[float, float] = DEFAULT_CLIPS  # clip_eps_low / high when not given
     # Why kl_estimator "full" is refused ("" = accepted); the default names the missing term.
     no_full_kl: str | None = None
     # A pass over the whole optimizer batch before any gradient, in rollout row order (groups
@@ -176,7 +176,7 @@ def check(config: ObjectiveConfig) -> None:
 def paper_config(name: str, **overrides: Any) -> ObjectiveConfig:
     """ObjectiveConfig for `name` with its paper clip range (DAPO 0.2/0.28, GSPO 3e-4/4e-4),
     checked against its record."""
-    low, high = OBJECTIVES[name].paper_clips if name in OBJECTIVES else (0.2, 0.2)
+    low, high = OBJECTIVES[name].paper_clips if name in OBJECTIVES else DEFAULT_CLIPS
     config = ObjectiveConfig(
         **{"name": name, "clip_eps_low": low, "clip_eps_high": high, **overrides}
     )
