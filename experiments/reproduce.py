@@ -61,6 +61,7 @@ EXPERIMENTS = (
     "e1b_clip_sweep_calibrated",
     "e5_calibrated",
     "stability_map_harsh",
+    "k3_clamp",
 )
 # CPU devices per run where an experiment needs more than one: the async actor-learner's
 # sampler and trainer each get one (their runs are not bit-reproducible: the lag is measured)
