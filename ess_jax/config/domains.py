@@ -137,6 +137,10 @@ ESS_SCOPES = ("step", "microbatch", "microbatch_local")
 # "splash" a TPU one, checked in experiment.validate).
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "splash")
 
+# ModelConfig.decode_attention (meanings: ess_jax/model/blockwise_decode.py); both run on any
+# backend.
+DECODE_ATTENTIONS = ("dense", "blockwise")
+
 # Sampler precisions (meanings: ess_jax/sampling/precision.py).
 PRECISIONS = (
     "float32",

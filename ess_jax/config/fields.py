@@ -19,6 +19,7 @@ import dataclasses
 from ess_jax.config.domains import (
     ADVANTAGE_MODES,
     ATTENTION_IMPLS,
+    DECODE_ATTENTIONS,
     FLAG,
     KV_CACHE_PRECISIONS,
     LORA_BASE_PRECISIONS,
@@ -98,6 +99,15 @@ class ModelFields:
     # scoring forwards only)
     attention_impl: str = knob(
         "einsum", Choice(ATTENTION_IMPLS), "attention of training forwards and the prefill"
+    )
+    # dense | blockwise (any backend; the same numbers to float32 rounding)
+    decode_attention: str = knob(
+        "dense",
+        Choice(DECODE_ATTENTIONS),
+        "sampler decode steps: whole cache (dense) or its filled blocks only (blockwise)",
+    )
+    decode_block: int = knob(
+        256, ints(1), "decode_attention blockwise: positions per block of the KV cache"
     )
     # the embedded model only: a char-level Llama-style decoder trained from scratch
     hidden_size: int = knob(64, ints(1), "embedded model: the width D")

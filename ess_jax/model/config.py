@@ -11,7 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ess_jax.config.domains import ATTENTION_IMPLS, LORA_BASE_PRECISIONS
+from ess_jax.config.domains import ATTENTION_IMPLS, DECODE_ATTENTIONS, LORA_BASE_PRECISIONS
 from ess_jax.model import lora
 
 
@@ -42,13 +42,19 @@ class ModelConfig:
     logits_chunk: int = 0
     # recompute each block in the backward pass (keeps only the [B, T, D] block inputs)
     remat: bool = False
-    # attention of the several-query forwards (training, the prefill; decode steps always use
-    # layers.attention's one-query path): "einsum" (layers.attention, any backend), "cudnn"
+    # attention of the several-query forwards (training, the prefill; decode steps take
+    # `decode_attention`'s one-query path): "einsum" (layers.attention, any backend), "cudnn"
     # (jax.nn.dot_product_attention's fused kernel: NVIDIA GPUs, bf16), "xla" (jax's
     # reference path of the same call; layers.fused_attention) or "splash" (jax's Pallas
     # splash kernel: TPUs, float32 / bf16; the trainer's and scorer's forwards only, the
     # prefill stays einsum; splash.py)
     attention_impl: str = "einsum"
+    # attention of the sampler's decode steps (one query per row against the KV cache): "dense"
+    # (layers.decode_attention over the segment's whole cache) or "blockwise" (blockwise_decode:
+    # only the blocks of `decode_block` positions up to the step's own; the same numbers to
+    # float32 rounding)
+    decode_attention: str = "dense"
+    decode_block: int = 256
     # the inputs of the seven block matmuls (q, k, v, o, gate, up, down) rounded through
     # float8_e4m3fn with a per-token scale (layers.fp8_activation): the sampler's "fp8_act"
     activation_fp8: bool = False
@@ -85,6 +91,14 @@ class ModelConfig:
                 f"ModelConfig.attention_impl: unknown {self.attention_impl!r}; "
                 f"one of {', '.join(ATTENTION_IMPLS)}"
             )
+
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(
+                f"ModelConfig.decode_attention: unknown {self.decode_attention!r}; "
+                f"one of {', '.join(DECODE_ATTENTIONS)}"
+            )
+        if self.decode_block < 1:
+            raise ValueError(f"ModelConfig.decode_block {self.decode_block}: must be >= 1")
 
     @property
     def compute_dtype(self) -> jnp.dtype:

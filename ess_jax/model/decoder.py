@@ -26,11 +26,11 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from ess_jax.model import kv_cache, lora, quant, splash
+from ess_jax.model.blockwise_decode import decode_step_attention
 from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import (
     apply_rope,
     attention,
-    decode_attention,
     dense,
     fused_attention,
     matmul_input,
@@ -134,15 +134,17 @@ class Attention(nnx.Module):
             k_all, v_all, new_cache, query_idx, offset = k, v, None, jnp.arange(t), 0
         else:  # write this call's keys into the cache (keys transposed: kv_cache), in place
             new_cache = kv_cache.write(cache, k, v, cache_index)
-            k_all, v_all = kv_cache.read(new_cache, dt)
             query_idx = cache_index + jnp.arange(t)
+            if t == 1:  # a decode step
+                out = decode_step_attention(
+                    cfg, q[:, 0], new_cache, kv_mask_BxS, query_idx[0], attend_len
+                )
+                out = matmul_input(out.reshape(b, 1, h, kd), cfg.activation_fp8, 2)
+                return lora.project(cfg, self, "o", out, n_in=2), new_cache
+            k_all, v_all = kv_cache.read(new_cache, dt)
             if attend_len is not None:  # attend over the filled prefix of the cache only
                 k_all, v_all = k_all[..., :attend_len], v_all[:, :, :attend_len]
                 kv_mask_BxS = kv_mask_BxS[:, :attend_len]
-            if t == 1:  # a decode step
-                out = decode_attention(q[:, 0], k_all, v_all, kv_mask_BxS, query_idx[0])
-                out = matmul_input(out.reshape(b, 1, h, kd), cfg.activation_fp8, 2)
-                return lora.project(cfg, self, "o", out, n_in=2), new_cache
             k_all = k_all.transpose(0, 1, 3, 2)  # several queries (the prefill): [B, N, S, K]
 
         if cfg.attention_impl == "splash" and cache is None and t > 1 and splash.takes(dt):

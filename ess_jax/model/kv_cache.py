@@ -84,6 +84,17 @@ def read(layer_cache: dict, dtype) -> tuple[jax.Array, jax.Array]:
     )
 
 
+def read_block(layer_cache: dict, start, size: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """`read` of positions start .. start + size - 1 only (`start` may be traced; `size`
+    static, the block must lie inside the cache): keys [B, N, K, size], values [B, N, size, K],
+    an fp8 cache's codes times their scales in `dtype`, any other as stored."""
+    block = {
+        name: jax.lax.dynamic_slice_in_dim(x, start, size, axis=POSITION_AXIS[name])
+        for name, x in layer_cache.items()
+    }
+    return read(block, dtype)
+
+
 def grow_layer(layer_cache: dict, length: int) -> dict:
     """One layer's K and V (and an fp8 cache's scales) zero-padded to `length` positions."""
 

@@ -126,12 +126,14 @@ def _check_checkpoint(field: str, source: str) -> None:
 
 def trainer_settings(mcfg) -> dict[str, Any]:
     """The ModelConfig fields the experiment config sets on every model, embedded or loaded:
-    compute dtype, LM-head chunk, remat, attention implementation."""
+    compute dtype, LM-head chunk, remat, attention implementation, decode attention."""
     return {
         "dtype": mcfg.dtype,
         "logits_chunk": int(mcfg.logits_chunk),
         "remat": bool(mcfg.get("remat", False)),
         "attention_impl": mcfg.get("attention_impl", "einsum"),
+        "decode_attention": mcfg.get("decode_attention", "dense"),
+        "decode_block": int(mcfg.get("decode_block", 256)),
     }
 
 
