@@ -69,7 +69,7 @@ def programs(s):
     from ess_jax.model import kv_cache
     from ess_jax.objectives import ObjectiveConfig
     from ess_jax.parallel import sharding
-    from ess_jax.rl import steps
+    from ess_jax.rl import steps, update
     from ess_jax.sampling import precision, sampler
 
     cfg = bench_gpu.model_config(s)
@@ -94,12 +94,10 @@ def programs(s):
         ("p3o", "cudnn", m, " (extra)"),
     ]
     for obj, impl, mb, extra in runs:
-        step = steps.make_rl_step(
-            cfg.replace(attention_impl=impl),
-            tx,
-            ObjectiveConfig(name=obj),
-            mb,
-            0,
+        mcfg = cfg.replace(attention_impl=impl)
+        step = update.make_rl_step(
+            update.UpdateConfig(mcfg, ObjectiveConfig(name=obj), tx, mb),
+            update.StepKey(0),
             jax.tree.map(lambda _: rep, state),
             sharding.batch_sharding(mesh),
         )

@@ -7,7 +7,7 @@ The sampler with adapters, two forms:
             (timed together; merge_s: the merge alone)
   adapters  x W + (alpha / R) (x A) B in every matmul of every decode step
 
-`rl/lora_policy.SAMPLER_FORM` keeps the faster. `--train`: one P3O train step (steps.make_rl_step,
+`rl/lora_policy.SAMPLER_FORM` keeps the faster. `--train`: one P3O train step (update.make_rl_step,
 one device, `train_batch` x `train_seq` tokens, 32 of them prompt) with LoRA, and QLoRA on an
 int8 / int4 base (model.lora.base_precision), against full fine-tuning.
 
@@ -91,7 +91,7 @@ def measure(s: Sizes, rank: int, rows: int, new: int, repeats: int) -> dict:
 def measure_train(s: Sizes, rank: int, repeats: int) -> dict:
     from ess_jax import objectives
     from ess_jax.parallel import sharding
-    from ess_jax.rl import steps
+    from ess_jax.rl import steps, update
     from ess_jax.rl.optim import make_optimizer
 
     cfg, lcfg, base, adapters = _model(s, rank)
@@ -126,7 +126,8 @@ def measure_train(s: Sizes, rank: int, repeats: int) -> dict:
     ):
         state, sh = steps.init_state(params, tx, mesh, frozen)
         bsh = sharding.batch_sharding(mesh)
-        fn = steps.make_rl_step(c, tx, objectives.ObjectiveConfig(), 1, p, sh, bsh)
+        ucfg = update.UpdateConfig(c, objectives.ObjectiveConfig(), tx)
+        fn = update.make_rl_step(ucfg, update.StepKey(p), sh, bsh)
         state, _ = fn(state, batch)  # compile
         runs[name] = [fn, jax.block_until_ready(state)]
     times = {k: [] for k in runs}

@@ -4,7 +4,7 @@ overhead over GRPO in it.
 The step is the one `train.Run.rl_step` runs, from the same public pieces: `rollout.collect`
 (the sampler draws G completions per prompt; detokenize + reward + group advantages), the
 old-logp pass (`steps.score_fn`, only for objectives that need pi_prox), and the optimizer
-update (`steps.make_rl_step`, with 1 or M micro-batches). Parts:
+update (`update.make_rl_step`, with 1 or M micro-batches). Parts:
   sampling   collect minus its detokenize+reward time, plus the batch's move to the device
   reward     detokenize + the real gsm8k reward, summed over the completions
   old_logp   the teacher-forced re-score (0 when the objective needs none)
@@ -33,6 +33,7 @@ from ess_jax.config import defaults
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl import steps
+from ess_jax.rl import update as update_lib
 from ess_jax.rl.optim import make_optimizer
 
 
@@ -95,7 +96,8 @@ def bench_rl(cfg, params, mesh, s: Sizes) -> dict:
     batch_sh = sharding_lib.batch_sharding(mesh)
     runs = {}
     for label, m, objective_cfg in variants(s):
-        step = steps.make_rl_step(cfg, tx, objective_cfg, m, s.rl_prompt, state_sh, batch_sh)
+        ucfg = update_lib.UpdateConfig(cfg, objective_cfg, tx, m)
+        step = update_lib.make_rl_step(ucfg, update_lib.StepKey(s.rl_prompt), state_sh, batch_sh)
         score = None
         if obj_lib.needs_prox(objective_cfg):
             score = steps.score_fn(cfg, s.rl_prompt, mesh, m)
@@ -106,7 +108,7 @@ def bench_rl(cfg, params, mesh, s: Sizes) -> dict:
         watch.total = 0.0
         t0 = time.perf_counter()
         rollout, _ = rollout_lib.collect(src, batch_in, tokenizer, reward, rcfg, jax.random.key(r))
-        batch = sharding_lib.shard_batch(steps.rollout_to_batch(rollout), mesh)
+        batch = sharding_lib.shard_batch(update_lib.rollout_to_batch(rollout), mesh)
         batch = jax.block_until_ready(batch)
         shared = {"sampling": time.perf_counter() - t0 - watch.total, "reward": watch.total}
         out = {}

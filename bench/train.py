@@ -22,6 +22,7 @@ from ess_jax.model import scoring
 from ess_jax.objectives import ObjectiveConfig
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import steps
+from ess_jax.rl import update as update_lib
 from ess_jax.rl.advantages import broadcast_to_tokens, group_advantages
 from ess_jax.rl.optim import make_optimizer
 
@@ -78,16 +79,13 @@ def random_train_batch(s: Sizes, logp_fn) -> dict[str, np.ndarray]:
 
 
 def jax_trainer(cfg, params, mesh, batch_np, objective: str = "p3o", num_microbatches: int = 1):
-    """(step, losses): one ess_jax RL update per call (steps.make_rl_step, the trainer's own
+    """(step, losses): one ess_jax RL update per call (update.make_rl_step, the trainer's own
     jitted step with its state donated, over `num_microbatches`), on a copy of `params`."""
     tx = make_optimizer(OPTIM)
     state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
-    step_fn = steps.make_rl_step(
-        cfg,
-        tx,
-        ObjectiveConfig(name=objective),
-        num_microbatches,
-        0,
+    step_fn = update_lib.make_rl_step(
+        update_lib.UpdateConfig(cfg, ObjectiveConfig(name=objective), tx, num_microbatches),
+        update_lib.StepKey(0),
         state_sh,
         sharding_lib.batch_sharding(mesh),
     )

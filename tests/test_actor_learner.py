@@ -39,7 +39,7 @@ def _strip(rows):
     return [{k: v for k, v in r.items() if k not in VOLATILE} for r in rows]
 
 
-# The jitted RL steps, shared by the runs of one config (`make_rl_step` is a pure function of
+# The jitted RL updates, shared by the runs of one config (`make_rl_step` is a pure function of
 # the config and the mesh, and equal meshes take each other's arrays): each run would otherwise
 # compile its own, about 10 s on a 2-core machine.
 _STEPS: dict = {}
@@ -51,7 +51,7 @@ def _run(config, workdir, learn_hook=None, reward=coin_reward, steps_of=None):
     in rollout fields only: the steps do not read them)."""
     run = train.Run(config, str(workdir))
     run.reward_fn = reward
-    run._rl_steps = _STEPS.setdefault(str(steps_of or config), {})
+    run.learner.compiled = _STEPS.setdefault(str(steps_of or config), {})
     if learn_hook is not None:
         real = run.learn
         run.learn = lambda step, *a: learn_hook(run, step, real, *a)
@@ -80,7 +80,8 @@ def test_sync_rows_are_unchanged_by_the_dispatch_and_the_async_fields(tmp_path):
         "rollout.target_ess": 0.5,
     }
     run = _run(tiny_config(**knobs), tmp_path / "run")
-    run._rl_steps = ref._rl_steps  # the same program: the configs differ in async fields only
+    # the same programs: the configs differ in async fields only
+    run.learner.compiled = ref.learner.compiled
     assert run.rollout_mesh is None and run.mesh.size == 8
     run.run()
     rows = read_metrics(tmp_path / "run")

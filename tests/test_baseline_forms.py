@@ -26,8 +26,9 @@ from configs.mini import common
 from ess_jax import objectives as O
 from ess_jax.config.defaults import base_config
 from ess_jax.config.fields import CHOICES
-from ess_jax.objectives import scopes
 from ess_jax.objectives import vcpo as V
+from ess_jax.rl import accumulate
+from ess_jax.rl import update as U
 
 # ----------------------------------------------------------------------------- VCPO
 
@@ -129,9 +130,9 @@ def test_vcpo_baselines_match_their_pipeline(sigma, cap, seed, m):
              "aggregation": "seq_mean_token_mean"}
         )  # fmt: skip
         step = jax.jit(
-            lambda p, b, cfg=cfg: scopes.step_loss_and_grad(_logp_fn, p, b, cfg, m, group_size=G)
+            lambda p, b, cfg=cfg: U.step_loss_and_grad(_logp_fn, p, b, cfg, m, group_size=G)
         )
-        rows, _ = V.batch_pass(_logp_fn, params, batch, cfg, m, G)
+        rows, _ = V.batch_pass(*accumulate.seq_grad_sq(_logp_fn, params, batch, m), batch, cfg, G)
         out[form] = (np.asarray(step(params, batch)[1]["w"]), np.asarray(rows["opob_advantages"]))
         ref_grad, ref_coef, _ = _vcpo_their_pipeline(params, batch, rewards, cap, form)
         np.testing.assert_allclose(out[form][1][:, 0], ref_coef, rtol=2e-5, atol=2e-6)
@@ -172,7 +173,7 @@ def _m2po_fn(form, m):
     [B, T] log-probs and each micro-batch reads its rows by index."""
     cfg = O.objective_config({"name": "m2po", "m2po_form": form})
     logp_fn = lambda lp, mb: lp[mb["row"]]  # noqa: E731
-    return jax.jit(lambda lp, b: scopes.step_loss_and_grad(logp_fn, lp, b, cfg, m))
+    return jax.jit(lambda lp, b: U.step_loss_and_grad(logp_fn, lp, b, cfg, m))
 
 
 def _m2po(form, logp, batch, m=1):

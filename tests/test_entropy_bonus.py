@@ -14,8 +14,7 @@ from test_offpolicy_exact import _start
 from test_train import tiny_config
 
 from ess_jax.model import decoder as model
-from ess_jax.objectives import scopes as A
-from ess_jax.rl import steps
+from ess_jax.rl import update as U
 
 BETA = 0.05
 
@@ -32,7 +31,7 @@ def _mean_entropy(cfg, params, mb):
 
 def test_entropy_bonus_is_the_real_entropy_with_its_gradient(tmp_path, monkeypatch):
     run = _start(tiny_config(**{"objective.beta_ent": BETA}), tmp_path)
-    real_make, real_loss_and_grad, seen = steps.make_rl_step, A.step_loss_and_grad, {}
+    real_make, real_loss_and_grad, seen = U.make_rl_step, U.step_loss_and_grad, {}
 
     def make_rl_step(*args, **kwargs):
         step_fn = real_make(*args, **kwargs)
@@ -49,8 +48,8 @@ def test_entropy_bonus_is_the_real_entropy_with_its_gradient(tmp_path, monkeypat
         seen["logp_fn"] = logp_fn  # the trainer's log-prob function (captured while tracing)
         return real_loss_and_grad(logp_fn, *args, **kwargs)
 
-    monkeypatch.setattr(steps, "make_rl_step", make_rl_step)
-    monkeypatch.setattr(A, "step_loss_and_grad", step_loss_and_grad)
+    monkeypatch.setattr(U, "make_rl_step", make_rl_step)
+    monkeypatch.setattr(U, "step_loss_and_grad", step_loss_and_grad)
     run.rl_step(0)
     params, mb, m = seen["params"], seen["mb"], seen["metrics"]
     mb = {k: jnp.asarray(v) for k, v in mb.items()}
@@ -66,7 +65,7 @@ def test_entropy_bonus_is_the_real_entropy_with_its_gradient(tmp_path, monkeypat
     # With zero advantages the step's gradient is the bonus's: -beta_ent d(mean entropy)/dparams.
     no_adv = {**mb, "advantages": jnp.zeros_like(mb["advantages"])}
     loss_grad = jax.jit(
-        lambda p: A.step_loss_and_grad(seen["logp_fn"], p, no_adv, run.objective_cfg)[1]
+        lambda p: U.step_loss_and_grad(seen["logp_fn"], p, no_adv, run.objective_cfg)[1]
     )
     got, want = (
         np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])

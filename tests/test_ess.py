@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ess_jax import objectives as O
-from ess_jax.objectives import scopes as A
+from ess_jax.rl import update as U
 
 L = 16  # every example is padded to one shape so the jitted ESS compiles once
 _ess = jax.jit(O.effective_sample_size)
@@ -167,7 +167,7 @@ def _step(objective_cfg, m, seed=0, devices=1):
         batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
         assert len(batch["mask"].sharding.device_set) == devices
         params = jax.device_put(params, NamedSharding(mesh, P()))
-    fn = jax.jit(lambda p, b: A.step_loss_and_grad(_logp_fn, p, b, objective_cfg, m))
+    fn = jax.jit(lambda p, b: U.step_loss_and_grad(_logp_fn, p, b, objective_cfg, m))
     loss, grads, metrics = fn(params, batch)
     return float(loss), jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
 
@@ -217,7 +217,7 @@ def test_step_scope_with_extras_is_invariant_to_microbatching():
     params, batch = _policy_batch(0)
     objective_cfg = O.ObjectiveConfig(name="p3o", beta_ent=0.5)
     fn = jax.jit(
-        lambda p, m: A.step_loss_and_grad(_logp_entropy_fn, p, batch, objective_cfg, m),
+        lambda p, m: U.step_loss_and_grad(_logp_entropy_fn, p, batch, objective_cfg, m),
         static_argnums=1,
     )
     whole = fn(params, 1)
@@ -249,7 +249,7 @@ def test_forward_count_of_a_step(name, m):
         return _logp_fn(p, mb)
 
     objective_cfg = O.ObjectiveConfig(name=name)
-    out = jax.jit(lambda p: A.step_loss_and_grad(counting, p, batch, objective_cfg, m))(params)
+    out = jax.jit(lambda p: U.step_loss_and_grad(counting, p, batch, objective_cfg, m))(params)
     jax.block_until_ready(out)
     if name not in {n for n, o in O.OBJECTIVES.items() if o.ess_in_loss}:
         assert len(forwards) == m
@@ -293,7 +293,7 @@ def test_statistics_pass_memory_is_one_microbatch(m):
 
     def temp(name):
         objective_cfg = O.ObjectiveConfig(name=name)
-        step = jax.jit(lambda p, b: A.step_loss_and_grad(logp_fn, p, b, objective_cfg, m))
+        step = jax.jit(lambda p, b: U.step_loss_and_grad(logp_fn, p, b, objective_cfg, m))
         return step.lower(abstract, batch).compile().memory_analysis().temp_size_in_bytes
 
     assert temp("p3o") <= 1.1 * temp("grpo")
@@ -338,4 +338,4 @@ def test_microbatch_scope_depends_on_the_split(scope):
 def test_step_scope_rejects_uneven_split():
     params, batch = _policy_batch()
     with pytest.raises(ValueError, match="divisible"):
-        A.step_loss_and_grad(_logp_fn, params, batch, O.ObjectiveConfig(), 3)
+        U.step_loss_and_grad(_logp_fn, params, batch, O.ObjectiveConfig(), 3)

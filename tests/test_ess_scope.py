@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from ess_jax import objectives as O
 from ess_jax.objectives import scopes as A
+from ess_jax.rl import update as U
 
 D, V, B, T, M = 3, 5, 32, 8, 4  # 32 rows over 8 devices: row r is on device r // 4
 DEVICES = 8
@@ -159,7 +160,7 @@ def _jax_step(name, scope, shuffle_seed=None):
     params = jax.device_put(params, NamedSharding(mesh, P()))
     cfg = O.ObjectiveConfig(name=name, ess_scope=scope)
     key = None if shuffle_seed is None else jax.random.key(shuffle_seed)
-    fn = jax.jit(lambda p, b, k: A.step_loss_and_grad(_logp_fn, p, b, cfg, M, k, DEVICES))
+    fn = jax.jit(lambda p, b, k: U.step_loss_and_grad(_logp_fn, p, b, cfg, M, k, DEVICES))
     loss, grads, metrics = fn(params, batch, key)
     return float(loss), jax.tree.map(np.asarray, grads), {k: float(v) for k, v in metrics.items()}
 

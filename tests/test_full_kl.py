@@ -25,7 +25,8 @@ from ess_jax import objectives as O
 from ess_jax.config import schema as config_checks
 from ess_jax.io import weights
 from ess_jax.model import decoder as model
-from ess_jax.rl import experiment, rollout, steps, train
+from ess_jax.rl import experiment, rollout, train, update
+from ess_jax.rl.full_kl import FullKL
 from ess_jax.sampling import rescore
 
 CFG = tiny_model_cfg(vocab_size=13, pad_token_id=0)
@@ -242,7 +243,7 @@ def test_on_policy_kl_and_its_gradient_are_zero(models, top_k):
 
 def _record_updates(monkeypatch):
     """Per update of the loop: the params before it, its batch and its metrics (numpy)."""
-    real, seen = steps.make_rl_step, []
+    real, seen = update.make_rl_step, []
 
     def make_rl_step(*args, **kwargs):
         step_fn = real(*args, **kwargs)
@@ -255,7 +256,7 @@ def _record_updates(monkeypatch):
 
         return recorded
 
-    monkeypatch.setattr(steps, "make_rl_step", make_rl_step)
+    monkeypatch.setattr(update, "make_rl_step", make_rl_step)
     return seen
 
 
@@ -304,13 +305,20 @@ def test_loop_rescores_the_params_the_sampler_held(tmp_path, monkeypatch):
     )
     run = _start(config, tmp_path / "run")
     updates = _record_updates(monkeypatch)
+
+    def settle(lag, n_upd):  # the update settings a run with this lag and U would build
+        full = FullKL.for_run(run.objective_cfg, run.rollout_cfg, lag, n_upd, run.external)
+        monkeypatch.setattr(run.learner, "updates_per_batch", n_upd)
+        monkeypatch.setattr(run.learner, "full_kl", full)
+
     rows = [run.rl_step(0)]
-    monkeypatch.setattr(run.config.train, "updates_per_batch", 2)
+    settle(0, 2)
     rows.append(run.rl_step(1))
     lagged = rollout.ParamHistory(1)
     version1 = jax.device_put(updates[1][0], run.state_sh.params)
     lagged.restore([(1, version1), (2, run.state.params)])
     monkeypatch.setattr(run, "history", lagged)
+    settle(1, 2)
     rows.append(run.rl_step(2))
 
     assert len(updates) == 5

@@ -140,3 +140,44 @@ def test_the_checks_find_planted_faults():
         "model.decoder -> sampling.draw",
         "objectives.scopes -> objectives.__init__ (its own package's face)",
     ]
+
+
+# jax's transformations that take a derivative: the RL update takes them (rl/update.py,
+# rl/accumulate.py), the objectives never do.
+DERIVATIVES = {"grad", "value_and_grad", "vjp", "jvp", "jacfwd", "jacrev", "hessian", "linearize"}
+
+
+def _root(node) -> str:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return getattr(node, "id", "")
+
+
+def _derivatives(source: str) -> list[str]:
+    """Every use of a jax derivative transformation in `source`: `jax.<name>` (any depth under
+    jax) and `from jax... import <name>`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in DERIVATIVES and _root(node) == "jax":
+            found.append(f"{node.lineno}: jax...{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax":
+            names = [a.name for a in node.names if a.name in DERIVATIVES]
+            found += [f"{node.lineno}: import {name}" for name in names]
+    return found
+
+
+def test_the_objectives_take_no_gradient():
+    """Catches a gradient taken inside ess_jax/objectives (a value_and_grad, grad or vjp in a
+    loss, a scope or a batch pass): the objectives are pure losses and statistics that the RL
+    update differentiates. The planted uses are found, a non-jax `.grad` is not."""
+    found = {
+        str(path.relative_to(PKG)): uses
+        for path in sorted((PKG / "objectives").rglob("*.py"))
+        if (uses := _derivatives(path.read_text()))
+    }
+    assert found == {}
+    planted = (
+        "import jax\nfrom jax import vjp\n"
+        "g = jax.value_and_grad(f)\nh = jax.grad(f)\nk = metrics.grad\n"
+    )
+    assert _derivatives(planted) == ["2: import vjp", "3: jax...value_and_grad", "4: jax...grad"]

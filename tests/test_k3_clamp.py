@@ -15,6 +15,7 @@ from configs.mini import common
 from ess_jax import objectives as O
 from ess_jax.config import schema
 from ess_jax.objectives import kl as K
+from ess_jax.rl import update as U
 from experiments import k3_clamp
 
 C = 10.0
@@ -185,7 +186,7 @@ def test_beyond_clamp_shares_vs_numpy_for_every_objective():
     cfg = O.ObjectiveConfig(name="p3o")
     params = jnp.zeros((), jnp.float32)
     with_lp = {**batch, "given_logp": logp}
-    _, _, m2 = O.step_loss_and_grad(lambda p, mb: mb["given_logp"] + p, params, with_lp, cfg, 2)
+    _, _, m2 = U.step_loss_and_grad(lambda p, mb: mb["given_logp"] + p, params, with_lp, cfg, 2)
     assert float(m2["lr_beyond_clamp_low"]) == pytest.approx(want[0], rel=1e-6)
     assert float(m2["lr_beyond_clamp_high"]) == pytest.approx(want[1], rel=1e-6)
 

@@ -22,10 +22,10 @@ from ess_jax.config import schema
 from ess_jax.io import peft_adapter
 from ess_jax.model import decoder as model
 from ess_jax.model import lora, scoring
-from ess_jax.objectives import scopes
 from ess_jax.objectives.config import ObjectiveConfig
 from ess_jax.parallel import sharding
-from ess_jax.rl import lora_policy, steps
+from ess_jax.rl import accumulate, lora_policy, steps, update
+from ess_jax.rl.full_kl import FullKL
 from ess_jax.rl.optim import make_optimizer
 
 RANK, ALPHA, P = 4, 8.0, 0.25
@@ -172,7 +172,7 @@ def test_step_loss_and_grad_do_not_depend_on_the_micro_batch_split(tiny):
         def fn(ad, batch):
             batch = steps.with_dropout_keys(c, batch, 0, jnp.int32(0), None)
             logp_fn = lambda p, mb: steps.logp_fn_for(c, prompt)(lora.join(base, p), mb)  # noqa: E731
-            return scopes.step_loss_and_grad(logp_fn, ad, batch, ocfg, m)[:2]
+            return update.step_loss_and_grad(logp_fn, ad, batch, ocfg, m)[:2]
 
         return _jit0(fn)(adapters, batch)
 
@@ -214,8 +214,6 @@ def test_score_fn_vcpo_pass_and_sft_step_use_the_right_masks(tiny):
     would then be dropout-free while the loss is not), and an SFT step without dropout or with
     the RL phase's keys: score_fn equals the plain forward; seq_grad_sq's log-probs equal the
     keyed logp_fn's; the SFT step's loss equals a float32 cross-entropy with SFT-phase keys."""
-    from ess_jax.objectives import vcpo
-
     cfg, base, adapters, tokens = tiny
     params, b, prompt = lora.join(base, adapters), tokens.shape[0], 4
     keys = lora.dropout_keys(0, jnp.int32(0), b)
@@ -227,7 +225,7 @@ def test_score_fn_vcpo_pass_and_sft_step_use_the_right_masks(tiny):
     plain = logp_fn(params, {"tokens": tokens, "attn_mask": mask})
     np.testing.assert_allclose(scored, plain, rtol=1e-5, atol=1e-5)
     rows = {**batch, "mask": jnp.ones((b, tokens.shape[1] - prompt), bool)}
-    _, logp = _jit0(lambda p, r: vcpo.seq_grad_sq(logp_fn, p, r, 2))(params, rows)
+    _, logp = _jit0(lambda p, r: accumulate.seq_grad_sq(logp_fn, p, r, 2))(params, rows)
     np.testing.assert_allclose(logp, logp_fn(params, rows), rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(logp - plain).max()) > 1e-3
 
@@ -277,7 +275,7 @@ def test_config_reaches_the_model_config_and_the_peft_export(tiny):
 
 def test_the_rl_step_drops_the_policy_forward_only(tiny):
     """Catches dropout that never reaches the jitted RL step, or that reaches pi_b's full-KL
-    re-score: the real step (`steps.make_rl_step`, 8 devices, P3O with the full KL at lag 0)
+    re-score: the real step (`update.make_rl_step`, 8 devices, P3O with the full KL at lag 0)
     on an on-policy batch (pi_b the dropout-free policy, float64 teacher forcing) re-scores
     pi_b within 2e-5 of the recorded log-probs, while the policy's dropped forward gives an
     ESS below 1 (1 exactly without dropout, tests/test_lora.py) and a positive KL."""
@@ -300,12 +298,17 @@ def test_the_rl_step_drops_the_policy_forward_only(tiny):
     on_mesh = lambda tree: jax.device_put(tree, sharding.replicated(mesh))  # noqa: E731
     state, state_sh = steps.init_state(on_mesh(adapters), tx, mesh, on_mesh(base))
     ocfg = O.objective_config({"name": "p3o", "kl_estimator": "full"})
-    full = steps.full_kl_inputs(ocfg, tiny_config().rollout, None, 0, 1, None, state_sh.params)
+    full = FullKL.for_run(ocfg, tiny_config().rollout, 0, 1)
+    behaviour = full.inputs(None, state_sh.params)
     batch_sh = sharding.batch_sharding(mesh)
-    fn = steps.make_rl_step(cfg, tx, ocfg, 1, p, state_sh, batch_sh, full, group_size=4)
+    ucfg = update.UpdateConfig(cfg, ocfg, tx, group_size=4)
+    key = update.StepKey(p, full)
+    fn = update.make_rl_step(ucfg, key, state_sh, batch_sh, behaviour.shardings)
     batch = sharding.shard_batch(batch, mesh)
-    program = fn.lower(state, batch, full.params).compile({"xla_backend_optimization_level": 0})
-    _, m = jax.device_get(program(state, batch, full.params))
+    program = fn.lower(state, batch, behaviour.params).compile(
+        {"xla_backend_optimization_level": 0}
+    )
+    _, m = jax.device_get(program(state, batch, behaviour.params))
     assert m["rescore_err"] <= 2e-5
     assert m["ess"] < 1 - 1e-4
     assert m["kl_behaviour"] > 0

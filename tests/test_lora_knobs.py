@@ -25,7 +25,7 @@ from test_train import coin_reward, tiny_config
 from ess_jax.data.tokenizer import char_tokenizer
 from ess_jax.io import weights
 from ess_jax.model import lora
-from ess_jax.rl import experiment, rollout, steps, train
+from ess_jax.rl import experiment, rollout, steps, train, update
 from ess_jax.sampling import precision as precision_lib
 
 RANK, TEMP = 4, 1.3
@@ -81,7 +81,7 @@ def knob_run(tmp_path_factory):
     rec = dict(run=run, external=external, frozen=jax.device_get(run.state.frozen))
     rec.update(rollouts=[], draws=[], updates=[], scored=[], versions=[bumped])
     real_collect, real_draw = rollout.collect, rollout.draw
-    real_make, real_score = steps.make_rl_step, steps.score_fn
+    real_make, real_score = update.make_rl_step, steps.score_fn
 
     def collect(*args, **kwargs):
         out, metrics = real_collect(*args, **kwargs)
@@ -123,7 +123,7 @@ def knob_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rollout, "collect", collect)
         mp.setattr(rollout, "draw", draw)
-        mp.setattr(steps, "make_rl_step", make_rl_step)
+        mp.setattr(update, "make_rl_step", make_rl_step)
         mp.setattr(steps, "score_fn", score_fn)
         run.history.push(0, run.state.params)
         rec["rows"] = []

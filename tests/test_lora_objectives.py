@@ -1,5 +1,5 @@
 """model.lora with every objective of the registry: the real LoRA train step
-(`steps.make_rl_step` with a frozen base) of one objective per kind, on one device, every
+(`update.make_rl_step` with a frozen base) of one objective per kind, on one device, every
 kind in one program (the `lora_steps` fixture, compiled once).
 
 An objective reaches the LoRA path only through the facts of its record (`needs_prox`:
@@ -9,7 +9,7 @@ kinds are the distinct values of those facts over the registry (NOT_A_KIND lists
 that are not such facts), each run by its first objective: a new objective is checked by its
 kind's step, a new kind or a new record field gets a step of its own. The kind that accepts
 objective.kl_estimator "full" runs it, re-scoring pi_b with lagged adapters
-(`steps.full_kl_inputs` at lag 1). The program is compiled at XLA's optimization level 0 (the
+(`FullKL.inputs` at lag 1). The program is compiled at XLA's optimization level 0 (the
 checks are of values and tree contents, not speed): the compile is this file's cost, about
 2.5-4.5 s of CPU per kind here, where one objective's step at the default level costs about
 4.7 s. tests/test_lora_knobs.py runs the off-policy knobs with LoRA.
@@ -34,7 +34,8 @@ from ess_jax.model import decoder as model
 from ess_jax.model import lora
 from ess_jax.objectives.registry import Objective
 from ess_jax.parallel import sharding
-from ess_jax.rl import steps
+from ess_jax.rl import steps, update
+from ess_jax.rl.full_kl import FullKL
 from ess_jax.rl.optim import make_optimizer
 from ess_jax.sampling import rescore
 
@@ -111,16 +112,18 @@ def lora_steps():
     on_mesh = lambda tree: jax.device_put(tree, sharding.replicated(mesh))  # noqa: E731
     state, state_sh = steps.init_state(on_mesh(adapters), tx, mesh, on_mesh(frozen))
     rcfg = tiny_config(**{"rollout.temperature": TEMP}).rollout
-    fns, full = {}, None
+    fns, behaviour = {}, None
     for name in KINDS.values():
         record = O.OBJECTIVES[name]
         kl = {"kl_estimator": "full"} if record.no_full_kl == "" else {}
         ocfg = O.objective_config({"name": name, **kl})
+        key = update.StepKey(P)
         if kl:
-            full = steps.full_kl_inputs(ocfg, rcfg, on_mesh(lagged), 1, 1, None, state_sh.params)
-        fns[name] = steps.make_rl_step(
-            cfg, tx, ocfg, 1, P, state_sh, sharding.batch_sharding(mesh),
-            full if kl else None, group_size=G,
+            key = update.StepKey(P, FullKL.for_run(ocfg, rcfg, 1, 1))
+            behaviour = key.full_kl.inputs(on_mesh(lagged), state_sh.params)
+        fns[name] = update.make_rl_step(
+            update.UpdateConfig(cfg, ocfg, tx, group_size=G), key, state_sh,
+            sharding.batch_sharding(mesh), behaviour.shardings if kl else None,
         )  # fmt: skip
 
     def all_kinds(state, batch, prox, bparams):
@@ -136,7 +139,7 @@ def lora_steps():
                 out[name] = fn(state, mb)
         return out
 
-    bparams = full.params if full else {}
+    bparams = behaviour.params if behaviour else {}
     program = jax.jit(all_kinds).lower(state, batch, prox["right"], bparams)
     program = program.compile({"xla_backend_optimization_level": 0})
     runs = {

@@ -14,6 +14,7 @@ from ess_jax import objectives as O
 from ess_jax.model.scoring import entropy_from_logits
 from ess_jax.objectives import scopes as A
 from ess_jax.objectives.kl import K3_EXP_CLAMP
+from ess_jax.rl import update as U
 
 LN3 = math.log(3.0)
 
@@ -362,7 +363,7 @@ def test_step_loss_passes_logp_fn_extras():
     batch.update(logp_fn.data)
     fn = lambda w_, mb: (logp_fn(w_, mb["x"], mb["tokens"]), {"entropy": mb["ent"] * jnp.sum(w_)})
     cfg = O.ObjectiveConfig(beta_ent=0.3)
-    loss, grads, metrics = jax.jit(lambda w_: A.step_loss_and_grad(fn, w_, batch, cfg, 2))(w)
+    loss, grads, metrics = jax.jit(lambda w_: U.step_loss_and_grad(fn, w_, batch, cfg, 2))(w)
     plain = jax.jit(lambda w_: O.p3o(logp_fn(w_), batch, O.ObjectiveConfig())[0])(w)
     bonus = 0.3 * np.sum(entropy * mask) * float(np.sum(w)) / mask.sum()
     assert float(loss) == pytest.approx(float(plain) - bonus, rel=1e-5)
@@ -425,6 +426,6 @@ def test_degenerate_batch_through_microbatch_accumulation():
     batch = {"behaviour_logp": np.asarray(logp_fn(w)), "advantages": adv, "mask": mask * False}
     for scope in O.SCOPES:
         cfg = O.ObjectiveConfig(ess_scope=scope)
-        step = lambda w_, c=cfg: A.step_loss_and_grad(lambda p, mb: logp_fn(p), w_, batch, c, 1)
+        step = lambda w_, c=cfg: U.step_loss_and_grad(lambda p, mb: logp_fn(p), w_, batch, c, 1)
         loss, grads, _ = jax.jit(step)(w)
         assert float(loss) == 0.0 and np.all(np.asarray(grads) == 0.0)

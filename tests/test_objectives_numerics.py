@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from ess_jax import objectives as O
 from ess_jax.objectives import scopes as A
+from ess_jax.rl import update as U
 
 LN3 = math.log(3.0)
 K3_T2 = LN3 + 1 / 3 - 1  # k3 of a token with rho = 3 against pi_b
@@ -167,7 +168,7 @@ def test_step_scope_with_dropped_tokens_is_invariant_to_microbatching(kw):
     from the mask alone at M > 1): the update would change with the micro-batch split."""
     logp_fn, params, batch = _policy()
     cfg = O.ObjectiveConfig(**kw)
-    fn = jax.jit(lambda p, m: A.step_loss_and_grad(logp_fn, p, batch, cfg, m), static_argnums=1)
+    fn = jax.jit(lambda p, m: U.step_loss_and_grad(logp_fn, p, batch, cfg, m), static_argnums=1)
     loss1, grads1, m1 = fn(params, 1)
     assert np.isfinite(float(loss1)) and 0.05 < float(m1["ess"]) < 0.95
     assert float(m1["nonfinite_frac"]) == pytest.approx(4 / batch["mask"].sum())
@@ -369,8 +370,8 @@ def test_step_scope_ignores_the_key():
     split (they do not depend on it, and the committed runs rely on bit-identical steps)."""
     logp_fn, params, batch = _policy()
     cfg = O.ObjectiveConfig(name="p3o")
-    step = jax.jit(lambda p, k: A.step_loss_and_grad(logp_fn, p, batch, cfg, 4, k, 2))
-    plain = jax.jit(lambda p: A.step_loss_and_grad(logp_fn, p, batch, cfg, 4))(params)
+    step = jax.jit(lambda p, k: U.step_loss_and_grad(logp_fn, p, batch, cfg, 4, k, 2))
+    plain = jax.jit(lambda p: U.step_loss_and_grad(logp_fn, p, batch, cfg, 4))(params)
     shuffled = step(params, jax.random.key(3))
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(shuffled)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -402,7 +403,7 @@ def test_rl_step_shuffles_by_seed_and_update_count(monkeypatch, scope, m, shuffl
         data = jnp.zeros(2, jnp.uint32) if key is None else jax.random.key_data(key)
         return jnp.float32(0.0), jax.tree.map(jnp.zeros_like, params), {"key": data}
 
-    monkeypatch.setattr(A, "step_loss_and_grad", spy)
+    monkeypatch.setattr(U, "step_loss_and_grad", spy)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
     rep, bsh = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     tx = optax.sgd(0.1)
@@ -412,7 +413,8 @@ def test_rl_step_shuffles_by_seed_and_update_count(monkeypatch, scope, m, shuffl
     cfg = O.ObjectiveConfig(ess_scope=scope)
     keys = {}
     for seed in (0, 5):
-        step = steps.make_rl_step(tiny_model_cfg(), tx, cfg, m, 1, state_sh, bsh, seed=seed)
+        ucfg = U.UpdateConfig(tiny_model_cfg(), cfg, tx, m, seed=seed)
+        step = U.make_rl_step(ucfg, U.StepKey(1), state_sh, bsh)
         for n in (0, 3):
             s = jax.tree.map(jnp.copy, state)  # the step donates its state
             s = s.replace(step=jax.device_put(jnp.int32(n), rep))
@@ -437,7 +439,7 @@ def test_shuffle_moves_no_rows_between_devices():
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     params = jax.device_put(params, NamedSharding(mesh, P()))
     cfg = O.ObjectiveConfig(name="p3o", ess_scope="microbatch")
-    fn = lambda p, b, k: A.step_loss_and_grad(logp_fn, p, b, cfg, 2, k, DEVICES)
+    fn = lambda p, b, k: U.step_loss_and_grad(logp_fn, p, b, cfg, 2, k, DEVICES)
     pattern = re.compile(r"= (.*?) (all-reduce|all-gather|all-to-all|collective-permute)\(")
 
     def collectives(key):

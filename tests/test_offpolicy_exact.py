@@ -21,7 +21,7 @@ from test_train import coin_reward, tiny_config
 from ess_jax import objectives as O
 from ess_jax.model import scoring
 from ess_jax.parallel import sharding
-from ess_jax.rl import rollout, steps, train
+from ess_jax.rl import rollout, train, update
 
 _tf_logp = jax.jit(scoring.token_logprobs, static_argnums=0)
 
@@ -177,7 +177,7 @@ def test_prox_snapshot_is_start_of_batch_for_all_updates(tmp_path, monkeypatch, 
         }
     )
     run = _start(config, tmp_path)
-    real_make, updates = steps.make_rl_step, []
+    real_make, updates = update.make_rl_step, []
 
     def make_rl_step(*args, **kwargs):
         step_fn = real_make(*args, **kwargs)
@@ -190,7 +190,7 @@ def test_prox_snapshot_is_start_of_batch_for_all_updates(tmp_path, monkeypatch, 
 
         return recorded
 
-    monkeypatch.setattr(steps, "make_rl_step", make_rl_step)
+    monkeypatch.setattr(update, "make_rl_step", make_rl_step)
     for s in range(n_steps):
         run.rl_step(s)
     assert len(updates) == n_steps * n_upd

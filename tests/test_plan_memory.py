@@ -1,7 +1,7 @@
 """The memory planner (ess_jax/memory/planner.py, tools/plan_memory.py) against XLA's own numbers.
 
 XLA's number is argument + output + temp - alias bytes of `compiled.memory_analysis()` (per
-device) of the real train step (steps.make_rl_step on an abstract train state) and of the
+device) of the real train step (update.make_rl_step on an abstract train state) and of the
 sampler's prefill and decode programs, on 1 and 8 fake CPU devices, with and without
 `logits_chunk`. XLA:CPU's default scheduler runs independent ops concurrently at the cost of
 memory (up to 2x here); accelerator backends schedule for memory, so the programs are compiled
@@ -76,7 +76,8 @@ def _train_case(case):
     from ess_jax.model import decoder as model
     from ess_jax.model import lora
     from ess_jax.parallel import sharding
-    from ess_jax.rl import steps
+    from ess_jax.rl import update
+    from ess_jax.rl.full_kl import HISTORY, FullKL
     from ess_jax.rl.optim import make_optimizer
     from ess_jax.sampling import rescore
 
@@ -103,12 +104,13 @@ def _train_case(case):
     }
     full = case.get("full", False)
     objective_cfg = O.ObjectiveConfig(kl_estimator="full" if full else "k3")
-    args, fk = (state, batch), None
+    args, key, behaviour_sh = (state, batch), update.StepKey(p), None
     if full:  # re-scored with other (e.g. lagged) params: the step's third argument
-        psh = model.param_shardings(model_cfg, mesh, "train")
-        fk = steps.FullKL(rescore.Behaviour(), {"policy": params}, {"policy": psh})
+        behaviour_sh = {"policy": model.param_shardings(model_cfg, mesh, "train")}
+        key = update.StepKey(p, FullKL(rescore.Behaviour(), HISTORY))
         args = (state, batch, {"policy": params})
-    step = steps.make_rl_step(model_cfg, tx, objective_cfg, 1, p, state_sh, bsh, full=fk)
+    ucfg = update.UpdateConfig(model_cfg, objective_cfg, tx)
+    step = update.make_rl_step(ucfg, key, state_sh, bsh, behaviour_sh)
     xla = _xla_total(step.lower(*args).compile())
     amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": case["devices"]}, case["devices"]))
     terms = memory.train_terms(model_cfg, amesh, b, t, int(full), scored_len=case["response"])

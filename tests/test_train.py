@@ -13,9 +13,9 @@ from configs import quickstart
 from ess_jax import objectives as O
 from ess_jax.io import weights
 from ess_jax.model import decoder as model
-from ess_jax.objectives import scopes as A
 from ess_jax.parallel import sharding
 from ess_jax.rl import rollout, train
+from ess_jax.rl import update as U
 from ess_jax.rl.metrics import read_metrics
 
 
@@ -166,13 +166,13 @@ def test_relative_workdir_and_metrics_rows_are_json(tmp_path, monkeypatch):
 
 
 def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
-    real = A.step_loss_and_grad
+    real = U.step_loss_and_grad
 
     def poisoned(*args, **kwargs):
         loss, grads, metrics = real(*args, **kwargs)
         return loss * jnp.nan, jax.tree.map(lambda g: g * jnp.nan, grads), metrics
 
-    monkeypatch.setattr(A, "step_loss_and_grad", poisoned)
+    monkeypatch.setattr(U, "step_loss_and_grad", poisoned)
     run = train.Run(tiny_config(), str(tmp_path))
     before = jax.device_get(run.state.params)
     run.history.push(0, sharding.reshard(run.state.params, run.sample_sh))

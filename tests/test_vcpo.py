@@ -1,7 +1,7 @@
 """VCPO (`objectives/vcpo.py`) against a float64 numpy reference on a toy policy whose
 per-sequence score-function gradient has a closed form (a logit table: d log softmax(W[c])[y] /
 dW[c] = onehot(y) - softmax(W[c])), and its learning-rate factor applied at the update
-(`rl/steps.py:_apply_update`): s times the AdamW update, decay included, which a factor on the
+(`rl/optim.py:apply_update`): s times the AdamW update, decay included, which a factor on the
 loss cannot give."""
 
 import jax
@@ -11,9 +11,9 @@ import optax
 import pytest
 
 from ess_jax import objectives as O
-from ess_jax.objectives import scopes
 from ess_jax.objectives import vcpo as V
-from ess_jax.rl import optim, steps
+from ess_jax.rl import accumulate, optim, steps
+from ess_jax.rl import update as U
 
 C, VOCAB, B, T, G = 3, 5, 8, 4, 4  # contexts, vocab, rows (2 groups of 4), time
 
@@ -92,7 +92,7 @@ def test_vcpo_loss_grad_scale_and_baseline_match_float64(m):
     untruncated or token-level IS weight, and an ESS or lr scale off the sqrt rule."""
     params, batch = _problem()
     cfg = O.objective_config({"name": "vcpo", "vcpo_is_cap": 1.5})
-    fn = jax.jit(lambda p, b: scopes.step_loss_and_grad(_logp_fn, p, b, cfg, m, group_size=G))
+    fn = jax.jit(lambda p, b: U.step_loss_and_grad(_logp_fn, p, b, cfg, m, group_size=G))
     loss, grads, metrics = fn(params, batch)
     ref_loss, ref_grad, scale, ess, _ = _reference(params, batch, cap=1.5)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
@@ -109,7 +109,7 @@ def test_seq_grad_sq_is_the_per_sequence_gradient_norm():
     """Catches a norm of the batch's summed gradient, of a per-token gradient, or one that
     counts padded tokens: ||grad_W sum_t logp_it||^2 per row against the closed form."""
     params, batch = _problem(1)
-    sq, logp = jax.jit(lambda p, b: V.seq_grad_sq(_logp_fn, p, b, 2))(params, batch)
+    sq, logp = jax.jit(lambda p, b: accumulate.seq_grad_sq(_logp_fn, p, b, 2))(params, batch)
     w = params["w"].astype(np.float64)
     score = _np_score(w, batch["ctx"], batch["y"]) * batch["mask"][..., None, None]
     np.testing.assert_allclose(np.asarray(sq), np.square(score.sum(1)).sum((1, 2)), rtol=1e-5)
@@ -148,7 +148,7 @@ def test_lr_scale_scales_the_update_not_the_gradient():
     grads = {"w": jnp.asarray(np.random.default_rng(3).normal(size=(C, VOCAB)), jnp.float32)}
     p0 = np.asarray(state.params["w"])
     s = 0.3
-    apply = jax.jit(steps._apply_update, static_argnums=1)
+    apply = jax.jit(optim.apply_update, static_argnums=1)
     delta = np.asarray(apply(state, tx, 1.0, grads)[0].params["w"]) - p0
     scaled = np.asarray(apply(state, tx, 1.0, grads, jnp.float32(s))[0].params["w"]) - p0
     np.testing.assert_allclose(scaled, s * delta, rtol=1e-4, atol=2e-7)  # float32 p0 + delta
@@ -159,7 +159,7 @@ def test_lr_scale_scales_the_update_not_the_gradient():
     state0 = state.replace(opt_state=tx0.init(state.params))
     delta0 = (
         np.asarray(
-            jax.jit(steps._apply_update, static_argnums=1)(state0, tx0, 1.0, grads)[0].params["w"]
+            jax.jit(optim.apply_update, static_argnums=1)(state0, tx0, 1.0, grads)[0].params["w"]
         )
         - p0
     )
@@ -179,8 +179,8 @@ def test_objectives_without_lr_scale_update_bit_identically():
     state = state.replace(params=params, opt_state=tx.init(params))
 
     def both(state, batch):
-        loss, grads, metrics = scopes.step_loss_and_grad(_logp_fn, state.params, batch, cfg, 1)
-        new, _, _ = steps._apply_update(state, tx, loss, grads, metrics.get("lr_scale"))
+        loss, grads, metrics = U.step_loss_and_grad(_logp_fn, state.params, batch, cfg, 1)
+        new, _, _ = optim.apply_update(state, tx, loss, grads, metrics.get("lr_scale"))
         updates, _ = tx.update(grads, state.opt_state, state.params)
         return new.params, optax.apply_updates(state.params, updates), "lr_scale" in metrics
 
@@ -202,7 +202,7 @@ def test_vcpo_config_and_refusals():
         O.objective_config({"name": "vcpo", "kl_estimator": "full"})
     params, batch = _problem()
     with pytest.raises(ValueError, match="group_size"):
-        scopes.step_loss_and_grad(_logp_fn, params, batch, cfg, 1)
+        U.step_loss_and_grad(_logp_fn, params, batch, cfg, 1)
     # The loss alone (no pass): advantages as given, lr_scale from its own rows.
     logp = _logp_fn(params, batch)
     _, metrics = O.OBJECTIVES["vcpo"].loss(logp, batch, cfg)

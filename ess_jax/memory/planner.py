@@ -197,7 +197,7 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     phases: dict[str, dict[str, float]] = {
         "train step": train_terms(cfg, amesh, rows, seq_len, n_full, r.max_new_tokens)
     }
-    if full_kl and not r.lag and t.updates_per_batch > 1:  # steps.full_kl_inputs' copy
+    if full_kl and not r.lag and t.updates_per_batch > 1:  # full_kl.FullKL.inputs' copy
         phases["train step"]["behaviour params copy"] = trained
 
     calls = int(r.get("sample_microbatches", 1))

@@ -4,7 +4,7 @@
 `config` executes on `mesh`, each with abstract inputs (`jax.ShapeDtypeStruct`s carrying the
 NamedShardings the run gives them), built by the functions the run itself calls:
 
-  rl_step              steps.make_rl_step: one optimizer update (objective, micro-batches, ESS
+  rl_step              update.make_rl_step: one optimizer update (objective, micro-batches, ESS
                        scope, AdamW), on the rows of one update at the widest prompt bucket;
   score                steps.score_fn: teacher-forced pi_prox / reference log-probs of a whole
                        rollout batch (only where the objective or beta_kl needs them);
@@ -45,12 +45,13 @@ from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import lora_policy, steps
+from ess_jax.rl import update as update_lib
 from ess_jax.rl.optim import make_optimizer
 from ess_jax.sampling import decode as decode_lib
 from ess_jax.sampling import precision as precision_lib
 from ess_jax.sampling import sampler as sampler_lib
 
-# The train batch's arrays and dtypes (steps.rollout_to_batch), by whether they span the whole
+# The train batch's arrays and dtypes (update.rollout_to_batch), by whether they span the whole
 # sequence or only the response.
 _SEQUENCE = {"tokens": jnp.int32, "attn_mask": jnp.bool_}
 _RESPONSE = {"mask": jnp.float32, "behaviour_logp": jnp.float32, "advantages": jnp.float32}
@@ -168,7 +169,7 @@ def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, ne
 
 def _step_trips(objective_cfg, m: int) -> int:
     """How often the RL step's micro-batch loop body runs: M, or M - 1 for a loss that reads
-    the step's ESS (objectives/scopes.py's statistics pass from M = 3 on: its forward scan and
+    the step's ESS (rl/accumulate.statistics_pass from M = 3 on: its forward scan and
     the gradient scan each run M - 1 micro-batches, the last one outside both loops)."""
     reads_ess = obj_lib.get_objective(objective_cfg.name).ess_in_loss
     if reads_ess and objective_cfg.ess_scope == "step" and m > 2:
@@ -211,8 +212,9 @@ def run_programs(config, mesh) -> list[Program]:
     for k in scored:  # the scoring pass's outputs, added to the batch before the updates
         batch[k] = batch["behaviour_logp"]
     bsh = sharding_lib.batch_sharding(mesh)
-    step = steps.make_rl_step(cfg, tx, objective_cfg, t.num_microbatches, prompt, state_sh, bsh,
-                              seed=config.seed, group_size=int(r.group_size))  # fmt: skip
+    ucfg = update_lib.UpdateConfig(cfg, objective_cfg, tx, t.num_microbatches, config.seed,
+                                   int(r.group_size))  # fmt: skip
+    step = update_lib.make_rl_step(ucfg, update_lib.StepKey(prompt), state_sh, bsh)
     train_terms = sum(plan.phases["train step"].values())
     out = [
         Program("rl_step", step, (state, batch), held + _bytes(batch) + train_terms,

@@ -20,7 +20,7 @@ an argument of the step, never an optimizer parameter (rl/steps.TrainState.froze
 Dropout (`cfg.lora_dropout` p > 0, PEFT's lora_dropout) acts on each adapter's input only:
 x W + (alpha / R) (dropout(x) A) B, dropout(x) = x * mask / (1 - p), an independent mask per
 row, layer and target. A forward draws it only when given per-row dropout keys
-(`dropout_keys`): the trainer's differentiated forwards (rl/steps.py). The sampler (merged
+(`dropout_keys`): the trainer's differentiated forwards (rl/update.py). The sampler (merged
 weights), the proximal / reference scoring and the full-KL re-score of pi_b run without it, so
 with p > 0 the ratio pi / pi_b of an on-policy token is no longer 1: the trainer sees a noisy
 copy of the policy that drew it. A row's masks depend on its key alone, not on the

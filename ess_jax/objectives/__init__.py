@@ -1,7 +1,8 @@
 """Objectives: the ESS objective (P3O), its dual anchor and the baselines as pure jit-able losses,
-one record per objective (registry.py), and the three ESS scopes over micro-batches (scopes.py).
+one record per objective (registry.py), and how the three ESS scopes combine micro-batches
+(scopes.py). Nothing here takes a gradient: the RL update does (ess_jax/rl/update.py).
 
-Inside the package imports flow kl -> config -> core -> losses -> registry -> scopes.
+Inside the package imports flow kl -> config -> core -> losses -> registry, and core -> scopes.
 """
 
 from ess_jax.objectives.config import (
@@ -58,7 +59,7 @@ from ess_jax.objectives.registry import (
     objective_config,
     paper_config,
 )
-from ess_jax.objectives.scopes import combine_metrics, step_loss_and_grad
+from ess_jax.objectives.scopes import combine_metrics
 
 __all__ = [
     "FULL_KL",
@@ -106,5 +107,4 @@ __all__ = [
     "objective_config",
     "paper_config",
     "combine_metrics",
-    "step_loss_and_grad",
 ]

@@ -14,8 +14,8 @@ Every importance ratio is `core.ratio` (log clamped to [-20, 20], as verl) and e
 `core.kept_mask`'s tokens (non-finite log-probs dropped); core.py's docstring says both rules.
 A loss is a SUM over the tokens given divided by normalisers from the step statistics. When the
 normalisers (num_tokens, num_seqs) describe the whole optimizer batch, the losses, gradients and
-additive metrics of micro-batches add up to the batch's; scopes.py relies on this to apply
-ObjectiveConfig.ess_scope.
+additive metrics of micro-batches add up to the batch's; the ESS scopes (scopes.py, and the RL
+update's gradient loop, rl/accumulate.py) rely on this to apply ObjectiveConfig.ess_scope.
 """
 
 from __future__ import annotations

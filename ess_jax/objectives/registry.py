@@ -4,7 +4,7 @@
 proximal snapshot (`prox_logp`: the policy re-scored by the trainer before the first update on
 a rollout batch), whether its loss reads the step ESS (then ess_scope "step" runs a statistics
 pass before the gradients, scopes.py), a pass of its own over the batch before the gradients
-(`batch_pass`: vcpo's per-sequence gradient norms and baseline), its paper clip range, and the
+(`batch_pass`: vcpo's baseline from per-sequence gradient norms), its paper clip range, and the
 ObjectiveConfig fields its loss reads beyond the shared ones. `objective_config` builds an
 ObjectiveConfig from the experiment config's `objective` section and refuses what no record
 allows.
@@ -23,8 +23,10 @@ from ess_jax.objectives.config import DEFAULT_CLIPS, FIELDS, FULL_KL, ObjectiveC
 from ess_jax.objectives.core import Batch, Metrics
 
 Loss = Callable[[jax.Array, Batch, ObjectiveConfig], tuple[jax.Array, Metrics]]
-# (logp_fn, params, rows, config, num_microbatches, group_size) -> (rows, shared scalars) added
-# to the optimizer batch before the gradients (vcpo.batch_pass)
+# (sq_B, logp_BxT, rows, config, group_size) -> (rows, shared scalars) added to the optimizer
+# batch before the gradients (vcpo.batch_pass); sq_B is each row's squared gradient norm
+# ||grad sum_t logp_t||^2 and logp_BxT its log-probs, which the RL update computes
+# (rl/accumulate.seq_grad_sq): the objective itself takes no gradient.
 BatchPass = Callable[..., tuple[Batch, Batch]]
 # Fields every loss reads (core.prepare / core.finish) or the step reads (ess_scope).
 SHARED_FIELDS = (
@@ -55,7 +57,7 @@ class Objective:
     # Why kl_estimator "full" is refused ("" = accepted); the default names the missing term.
     no_full_kl: str | None = None
     # A pass over the whole optimizer batch before any gradient, in rollout row order (groups
-    # of G consecutive rows), whose outputs join the batch (scopes.step_loss_and_grad).
+    # of G consecutive rows), whose outputs join the batch (rl/update.step_loss_and_grad).
     batch_pass: BatchPass | None = None
     # (field, value) pairs of ObjectiveConfig whose loss reads batch["prox_logp"] though the
     # record's other forms do not (m2po's "areal"): `needs_prox(config)` reads both.

@@ -4,18 +4,18 @@ Variance-Controlled Off-Policy RL for LLMs", arXiv 2602.17616; code github.com/m
 Axis alphabet: B rows (one sequence each), T time, M micro-batches, G group, Ng groups.
 
 Its two parts act outside a per-token loss, so VCPO is a loss (`vcpo`) plus a pass over the
-whole optimizer batch before the gradients (`batch_pass`, run by scopes.step_loss_and_grad for
-the objectives whose record names one). With w_i = pi_theta(y_i) / pi_b(y_i) the sequence
-importance weight (exp of the sum of the kept tokens' log rho, pi_theta the params of this
-update, stop-gradient):
+whole optimizer batch before the gradients (`batch_pass`, run by the RL update,
+rl/update.step_loss_and_grad, for the objectives whose record names one). With
+w_i = pi_theta(y_i) / pi_b(y_i) the sequence importance weight (exp of the sum of the kept
+tokens' log rho, pi_theta the params of this update, stop-gradient):
 - ESS-guided step size (paper eq. for eta_eff; their `megatron_actor.py`
   `_optimizer_step_with_buffer`, `ess_scaling` with `scaling_rule="sqrt"`): the update's
   learning rate is multiplied by lr_scale = sqrt(min(1, (ESS / B) / vcpo_base_ess_ratio)),
   ESS = (sum_i w_i)^2 / sum_i w_i^2 over the B sequences of the update (their
   `staleness_utils.compute_ess_info`, unclipped w: `use_clipped=False`). The loss reports
-  `lr_scale` as a metric and rl/steps.py multiplies the optimizer's update by it: AdamW's
-  update is lr (m / (sqrt(v) + eps) + weight_decay p), so this scales the decoupled weight
-  decay too, as their code does by setting the optimizer's lr for the step. A factor on the
+  `lr_scale` as a metric and rl/optim.apply_update multiplies the optimizer's update by it:
+  AdamW's update is lr (m / (sqrt(v) + eps) + weight_decay p), so this scales the decoupled
+  weight decay too, as their code does by setting the optimizer's lr for the step. A factor on the
   loss would not do it: Adam divides it out.
 - Off-policy optimal baseline, OPOB (the paper's b* = sum_i W_i R_i / sum_i W_i with
   W_i = w_i^2 ||grad_theta log pi_theta(y_i)||^2; their `compute_opob_baseline`, scope "group",
@@ -23,9 +23,9 @@ update, stop-gradient):
   samples of one prompt, A'_i = A_i - sum_{j in g} W_j A_j / (sum_{j in g} W_j + 1e-8). With
   GRPO advantages A = (R - mean_g) / (std_g + 1e-8) this is (R_i - b*_g) / (std_g + 1e-8): the
   baseline commutes with the group's shift and scale. ||grad log pi(y_i)||^2 is exact: one
-  gradient per sequence (`seq_grad_sq`), as their code takes one backward per trajectory
-  (micro-batch size 1) and reads its norm. `objective.vcpo_baseline` picks W_i:
-  "paper" (the default) is the paper's and their README's w_i^2 ||grad log pi(y_i)||^2;
+  gradient per sequence (the RL update's rl/accumulate.seq_grad_sq), as their code takes one
+  backward per trajectory (micro-batch size 1) and reads its norm. `objective.vcpo_baseline`
+  picks W_i: "paper" (the default) is the paper's and their README's w_i^2 ||grad log pi(y_i)||^2;
   "authors" is what their code computes (commit c7f030f0b77237cfb0e75e720669e2917a1bb56e):
   `update_policy_per_traj` backpropagates each trajectory's loss with advantage 1 and the
   sequence IS weight min(w_i, 8) (`rollout_is_weights`), `_compute_grad_norms` undoes the
@@ -44,16 +44,14 @@ Differences from their code:
 - ESS = (sum w)^2 / sum w^2 from max-shifted log-weights (no 1e-8 in the denominator, no
   float32 overflow of exp) over the rows with a kept token; their count includes every record.
 - Their final gradient is assembled from the per-trajectory gradients (no second backward);
-  here `batch_pass` takes one forward and a per-row backward over the batch before the usual
-  loss-and-gradient pass: 3.4x grpo's loss-and-gradient time at the configs/mini shapes (B 128,
-  P 16, T 6, embedded model; median of 15, side by side in one process, 8 fake CPU devices).
+  here the RL update takes one forward and a per-row backward over the batch for `batch_pass`
+  before the usual loss-and-gradient pass: 3.4x grpo's loss-and-gradient time at the
+  configs/mini shapes (B 128, P 16, T 6, embedded model; median of 15, side by side in one
+  process, 8 fake CPU devices).
 - Packed rows (`seq_ids`) are refused: the per-row gradient would mix sequences.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +63,9 @@ from ess_jax.objectives.core import (
     aux_logp,
     finish,
     kept_mask,
-    merge_microbatches,
     prepare,
     ratio,
     seq_sum,
-    split_microbatches,
 )
 
 # their get_weighted_mean's eps: keeps the baseline finite for a group whose weights are all 0
@@ -116,54 +112,23 @@ def opob_baseline(adv_B: jax.Array, weight_B: jax.Array, group_size: int) -> jax
     return jnp.repeat(b_Ng, group_size)
 
 
-def seq_grad_sq(
-    logp_fn: Callable[[Any, Batch], Any], params: Any, rows: Batch, num_microbatches: int = 1
-) -> tuple[jax.Array, jax.Array]:
-    """Per row i, ||grad_theta sum_t logp_it||^2 over its kept tokens [B] (float32), and the
-    log-probs [B, T] at `params`. One gradient per row, vmapped over the rows of a micro-batch
-    (strided, as scopes.py splits them) and mapped over the M micro-batches: M * b per-row
-    gradients are never held at once, b of them are."""
-    m = num_microbatches
-
-    def row_sum(p, row):
-        one = {k: v[None] for k, v in row.items()}
-        out = logp_fn(p, one)
-        logp = (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
-        keep = kept_mask(logp, one)
-        return jnp.sum(jnp.where(keep, logp, 0.0)), logp[0]
-
-    grad_fn = jax.vmap(jax.grad(row_sum, has_aux=True), in_axes=(None, 0))
-
-    def micro(mb):
-        grads, logp_bxT = grad_fn(params, mb)
-        sq = [
-            jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), -1)
-            for g in jax.tree.leaves(grads)
-        ]
-        return sum(sq), logp_bxT
-
-    split = {k: split_microbatches(v, m) for k, v in rows.items()}
-    sq_MxB, logp_MxBxT = jax.lax.map(micro, split)
-    return merge_microbatches(sq_MxB), merge_microbatches(logp_MxBxT)
-
-
 def batch_pass(
-    logp_fn: Callable[[Any, Batch], Any],
-    params: Any,
+    sq_B: jax.Array,
+    logp_BxT: jax.Array,
     rows: Batch,
     config: ObjectiveConfig,
-    num_microbatches: int = 1,
     group_size: int | None = None,
 ) -> tuple[Batch, Batch]:
     """What VCPO needs of the whole optimizer batch before any gradient: (rows to add:
     opob_advantages [B, T]; shared scalars to add: lr_scale, ess_seq). `rows` are the update's
-    rows in rollout order (groups of `group_size` consecutive rows), before any shuffle."""
+    rows in rollout order (groups of `group_size` consecutive rows), before any shuffle; `sq_B`
+    is each row's ||grad_theta sum_t logp_t||^2 over its kept tokens and `logp_BxT` its
+    log-probs, both at the update's params (the RL update's per-row gradient pass,
+    rl/accumulate.seq_grad_sq)."""
     if group_size is None:
         raise ValueError("vcpo needs the rollout's group_size for its per-group baseline")
     if "seq_ids" in rows:
         raise ValueError("vcpo needs one sequence per row (packed rows, seq_ids, are refused)")
-    args = {k: v for k, v in rows.items() if jnp.ndim(v) > 0}
-    sq_B, logp_BxT = seq_grad_sq(logp_fn, jax.lax.stop_gradient(params), args, num_microbatches)
     log_w, has_token = seq_log_weights(logp_BxT, rows)
     ess = ess_ratio(log_w, has_token)
     keep = kept_mask(logp_BxT, rows)
@@ -181,9 +146,10 @@ def batch_pass(
 
 def vcpo(logp_BxT: jax.Array, batch: Batch, config: ObjectiveConfig) -> tuple[jax.Array, Metrics]:
     """-sg(min(w_i, vcpo_is_cap)) A'_i logp_t, A' the OPOB advantages of `batch_pass`; reports
-    the step's `lr_scale` (rl/steps.py applies it to the update) and `ess_seq` (ESS / B).
+    the step's `lr_scale` (rl/optim.apply_update applies it to the update) and `ess_seq`
+    (ESS / B).
 
-    In the train step `batch_pass` always runs first (scopes.step_loss_and_grad). Called on a
+    In the train step `batch_pass` always runs first (rl/update.step_loss_and_grad). Called on a
     batch without its arrays (the loss alone, as the objective-generic tests call every loss),
     the advantages are taken as given (no baseline: the per-sequence gradient norms need the
     params) and lr_scale / ess_seq come from this batch's rows."""

@@ -1,11 +1,14 @@
 """The optax chain from config: grad-norm clipping, AdamW, linear warmup, then a constant or
-cosine-decayed learning rate (optim.schedule)."""
+cosine-decayed learning rate (optim.schedule); `apply_update`, one optimizer update of a train
+state that a non-finite loss or gradient skips."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from ess_jax.config.domains import LR_SCHEDULES
@@ -44,3 +47,29 @@ def make_optimizer(cfg: Mapping[str, Any]) -> optax.GradientTransformation:
         )
     )
     return optax.chain(*chain)
+
+
+def apply_update(state, tx: optax.GradientTransformation, loss, grads, lr_scale=None):
+    """(new state, grad_norm, ok): one optimizer update of `state` (rl/steps.TrainState),
+    skipped (state kept, `nonfinite` counter bumped) if the loss or the gradients are not finite.
+
+    `lr_scale` (a scalar; None: no factor, the update as tx gives it) multiplies the update tx
+    returns, i.e. the learning rate of this one step (for AdamW the decoupled weight decay too,
+    which optax multiplies by the lr): an objective's metric "lr_scale" (vcpo). Adam divides a
+    factor on the gradient out, so the loss cannot carry it."""
+    grad_norm = optax.global_norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    if lr_scale is not None:
+        updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale, u.dtype), updates)
+    ok = ok & jnp.isfinite(optax.global_norm(updates))  # e.g. a NaN learning rate
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    new = state.replace(
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        step=state.step + ok.astype(jnp.int32),
+        nonfinite=jnp.where(ok, 0, state.nonfinite + 1),
+    )
+    return new, grad_norm, ok

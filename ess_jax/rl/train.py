@@ -1,6 +1,6 @@
 """The RL loop: `Run` (build, SFT warm-up, rollout -> reward -> advantages -> updates, eval,
-checkpoints, export) and `run`, the entry point of `ess_jax.main`. The jitted steps it calls
-are in `ess_jax.rl.steps`, the SFT warm-up in `ess_jax.rl.sft`.
+checkpoints, export) and `run`, the entry point of `ess_jax.main`. The updates on a rollout
+batch are `ess_jax.rl.update`'s `Learner`, the SFT warm-up is `ess_jax.rl.sft`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
 from ess_jax import objectives as obj_lib
@@ -21,12 +20,13 @@ from ess_jax.config.schema import UserError
 from ess_jax.io import workdir as workdir_lib
 from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import actor_learner, dynamic_sampling, experiment, lora_policy, preemption, steps
 from ess_jax.rl import heldout as eval_lib
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl import sft as sft_lib
+from ess_jax.rl import update as update_lib
+from ess_jax.rl.full_kl import FullKL
 from ess_jax.rl.health import HealthWatch, report
 from ess_jax.rl.metrics import MetricsWriter, eval_summary, plot_run, progress_postfix
 from ess_jax.rl.optim import learning_rate_schedule, make_optimizer
@@ -106,9 +106,27 @@ class Run:
                 )
             # kept in the train layout (FSDP-sharded); gathered only while it samples
             self.external = rollout_lib.PolicySource(ecfg, eparams, -1)
+        t = config.train
+        ucfg = update_lib.UpdateConfig(
+            self.model_cfg,
+            self.objective_cfg,
+            self.tx,
+            t.num_microbatches,
+            config.seed,
+            int(self.rollout_cfg.group_size),
+        )
+        full = FullKL.for_run(  # None unless objective.kl_estimator "full"
+            self.objective_cfg,
+            self.rollout_cfg,
+            self.history.lag,
+            t.updates_per_batch,
+            self.external,
+        )
+        self.learner = update_lib.Learner(
+            ucfg, self.mesh, self.state_sh, t.updates_per_batch, full, self.external
+        )
         self.ref_params = None
         self.rng = jax.random.key(config.seed)
-        self._rl_steps: dict = {}
         self.step_start = None  # (data position, optimizer step) while a step runs
 
     # ------------------------------------------------------------------ checkpoints
@@ -255,41 +273,10 @@ class Run:
 
     def learn(self, step, rollout, metrics, version, params_b, t0) -> dict:
         """Updates on a rollout drawn by policy `version` (params `params_b`); the row."""
-        t = self.config.train
         t_sample = time.perf_counter() - t0
-        n_upd = t.updates_per_batch
-        per = rollout.num_sequences // n_upd
-        knobs = (self.objective_cfg, self.rollout_cfg, params_b, self.history.lag, n_upd)
-        full = steps.full_kl_inputs(*knobs, self.external, self.state_sh.params)  # kl "full" only
-        batch = sharding_lib.shard_batch(steps.rollout_to_batch(rollout, full), self.mesh)
-        score = steps.score_fn(
-            self.model_cfg, rollout.prompt_len, self.mesh, t.num_microbatches * n_upd
+        self.state, row = self.learner.learn(
+            self.state, rollout, params_b, self.ref_params, on_update=self._hold
         )
-        if obj_lib.needs_prox(self.objective_cfg):  # pi_prox: before any update
-            batch["prox_logp"] = score(lora.join(self.state.frozen, self.state.params), batch)
-        if self.ref_params is not None:
-            batch["ref_logp"] = score(lora.join(self.state.frozen, self.ref_params), batch)
-        key = (rollout.prompt_len, full and full.key)
-        if key not in self._rl_steps:  # one compile per prompt bucket (and full-KL inputs)
-            self._rl_steps[key] = steps.make_rl_step(
-                self.model_cfg,
-                self.tx,
-                self.objective_cfg,
-                t.num_microbatches,
-                rollout.prompt_len,
-                self.state_sh,
-                sharding_lib.batch_sharding(self.mesh),
-                full,
-                seed=self.config.seed,
-                group_size=int(self.rollout_cfg.group_size),
-            )
-        step_fn = self._rl_steps[key]
-        upd_metrics = []
-        for u in range(n_upd):
-            mb = jax.tree.map(lambda x, u=u: x[u * per : (u + 1) * per], batch)
-            mb = sharding_lib.shard_batch(mb, self.mesh)
-            self.state, m = step_fn(self.state, mb, *([full.params] if full else []))
-            upd_metrics.append(jax.device_get(m))
         if int(self.state.nonfinite) >= MAX_NONFINITE_IN_A_ROW:
             raise NonFiniteError(
                 f"{int(self.state.nonfinite)} updates in a row had a non-finite loss or gradient "
@@ -299,11 +286,6 @@ class Run:
         self.history.push(step + 1, self.state.params)
         self.step_start = None
         elapsed = time.perf_counter() - t0
-        row = {k: float(np.mean([m[k] for m in upd_metrics])) for k in upd_metrics[0]}
-        row["ess_min"] = float(np.min([m["ess"] for m in upd_metrics]))
-        # the mismatch metrics of the batch's first update, where pi_theta is the policy that
-        # sampled (with rollout.lag 0): pure train/sampler mismatch, not the updates' drift
-        row.update({k: float(upd_metrics[0][k]) for k in obj_lib.MISMATCH_KEYS})
         row.update(metrics)
         row.update(
             step=step,
@@ -314,6 +296,10 @@ class Run:
             step_s=elapsed,
         )
         return row
+
+    def _hold(self, state) -> None:
+        """The newest state, after each update of a batch (`save_on_interrupt` reads it)."""
+        self.state = state
 
     def _eval(self, writer, step: int) -> None:
         with preemption.interruptible():

@@ -101,7 +101,7 @@ def logp_fn_for(
     entropy: bool = False,
     chunk: int | None = None,
 ):
-    """`logp_fn(params, mb)` for `objectives.scopes.step_loss_and_grad`: (logp_BxT, extras) with
+    """`logp_fn(params, mb)` for the RL update (rl/full_kl.FullKL.logp_fn): (logp_BxT, extras) with
       logp                     the policy's response log-probs (temperature 1, float32, with
                                gradient)
       kl_full                  per-token KL(pi || pi_b) (on pi_b's support), gradient through pi

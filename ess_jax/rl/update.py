@@ -1,0 +1,271 @@
+"""The RL update, top to bottom: a rollout batch -> pi_prox / reference scores -> U optimizer
+updates, each over M micro-batches (the ESS statistics pass, the gradient, the optimizer) ->
+the metrics. `train.Run.learn` calls `Learner.learn` once per RL step.
+
+Axis alphabet (ARCHITECTURE.md): B rows of the rollout batch (prompts x G), U updates per batch
+(train.updates_per_batch) of B' = B / U rows, M micro-batches per update (train.num_microbatches)
+of b = B' / M rows, P prompt width, T response length, L = P + T.
+
+`Learner.learn(state, rollout, params_b, ref_params)`, on the host:
+  1 batch     `rollout_to_batch`, sharded over rows ("data", "fsdp"): tokens int32 [B, L],
+              attn_mask bool [B, L], mask float32 [B, T] (the loss mask), behaviour_logp and
+              advantages float32 [B, T]; with objective.kl_estimator "full" policy_version
+              int32 [B, 1] and pi_b's params (`full_kl.FullKL.inputs`)
+  2 scores    `steps.score_fn`, teacher-forced in M U strided row chunks before any update:
+              prox_logp [B, T] (objectives that read pi_prox), ref_logp [B, T] (beta_kl > 0)
+  3 updates   for u < U: rows [u B', (u + 1) B') -> `update_step`, compiled once per
+              `StepKey` (the prompt width P, the full-KL form), the state donated
+  4 metrics   each metric's mean over the U updates, ess_min, the first update's mismatch
+
+`update_step(state, rows [B', ...], behaviour_params?)`, jitted:
+  logp_fn     `steps.logp_fn_for`: scoring.token_logprobs -> logp float32 [b, T] (+ entropy
+              [b, T] with beta_ent); under the full KL `FullKL.logp_fn` adds kl_full and
+              rescored_behaviour_logp [b, T]; with LoRA the frozen base joined outside the
+              differentiated adapters
+  keys        each row's LoRA dropout key (`steps.with_dropout_keys`); in the micro-batch
+              scopes with M > 1 the row shuffle's key fold_in(key(seed), state.step)
+  gradient    `step_loss_and_grad` (below): loss, gradient, metrics
+  optimizer   `optim.apply_update`: clip + AdamW, times an objective's lr_scale (vcpo); a
+              non-finite update keeps the old state and bumps TrainState.nonfinite
+
+`step_loss_and_grad(logp_fn, params, rows, config, M, key, row_blocks, group_size)`:
+  split       `scopes.rows_and_shared`: row arrays [B', ...] and shared scalars
+  batch pass  (vcpo) `accumulate.seq_grad_sq`: per-row ||grad sum_t logp_t||^2 [B'] and logp
+              [B', T] (b rows vmapped, M micro-batches mapped) -> the objective's `batch_pass`
+              adds opob_advantages [B', T], lr_scale and ess_seq
+  M == 1      one value_and_grad of the objective's loss on all B' rows
+  M > 1       `scopes.shuffle_rows` (micro-batch scopes), strided micro-batches [M, b, ...];
+              `accumulate.SCOPES[ess_scope]`: "step" with a loss that reads the ESS first runs
+              the ESS statistics pass (a no-grad forward scan -> ess, ess_prox, num_tokens,
+              num_seqs of all B' rows; from M = 3 the last micro-batch's forward is kept for its
+              gradient), then a lax.scan of value_and_grad over the micro-batches sums float32
+              gradients; `scopes.combine_metrics` over M
+  metrics     + `core.mismatch_metrics` of all B' rows' log-probs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ess_jax import objectives as obj_lib
+from ess_jax.model import lora
+from ess_jax.model.config import ModelConfig
+from ess_jax.objectives import scopes
+from ess_jax.objectives.core import merge_microbatches
+from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.rl import accumulate, optim, steps
+from ess_jax.rl import rollout as rollout_lib
+from ess_jax.rl.full_kl import FullKL
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """What every update of a run shares."""
+
+    model: ModelConfig
+    objective: obj_lib.ObjectiveConfig
+    tx: optax.GradientTransformation
+    num_microbatches: int = 1  # M
+    seed: int = 0  # the row shuffle's and LoRA dropout's keys, with the update count
+    group_size: int | None = None  # rollout.group_size: an objective's batch pass (vcpo)
+
+
+class StepKey(NamedTuple):
+    """What one compiled update depends on beyond the run's UpdateConfig: one program per
+    prompt width (data.buckets) and full-KL form."""
+
+    prompt_len: int  # P
+    full_kl: FullKL | None = None  # objective.kl_estimator "full": how pi_b is re-scored
+
+
+class Learner:
+    """A run's RL updates: their UpdateConfig, the train mesh and shardings, the full-KL form
+    (None unless objective.kl_estimator "full"), and `compiled`, the jitted update per StepKey."""
+
+    def __init__(
+        self,
+        ucfg: UpdateConfig,
+        mesh,
+        state_sh,
+        updates_per_batch: int = 1,
+        full_kl: FullKL | None = None,
+        external=None,
+    ):
+        self.ucfg, self.mesh, self.state_sh = ucfg, mesh, state_sh
+        self.batch_sh = sharding_lib.batch_sharding(mesh)
+        self.updates_per_batch, self.full_kl, self.external = updates_per_batch, full_kl, external
+        self.compiled: dict[StepKey, Callable] = {}
+
+    def learn(
+        self,
+        state: steps.TrainState,
+        rollout: rollout_lib.Rollout,
+        params_b,
+        ref_params=None,
+        on_update: Callable[[steps.TrainState], None] | None = None,
+    ) -> tuple[steps.TrainState, dict]:
+        """U updates on a rollout drawn with params `params_b` (pi_b); the new state and the
+        metrics of the batch. `ref_params`: the reference policy of beta_kl, if any.
+        `on_update(state)` follows each update (Run keeps the newest state: a Ctrl-C between
+        updates saves it)."""
+        ucfg, mesh, full = self.ucfg, self.mesh, self.full_kl
+        n_upd, m = self.updates_per_batch, ucfg.num_microbatches
+        per = rollout.num_sequences // n_upd  # B'
+
+        # 1 the batch, and pi_b's params for the full KL (copied before any update donates)
+        behaviour = full.inputs(params_b, self.state_sh.params, self.external) if full else None
+        batch = sharding_lib.shard_batch(rollout_to_batch(rollout, full), mesh)
+
+        # 2 pi_prox and the reference: teacher-forced, before any update
+        score = steps.score_fn(ucfg.model, rollout.prompt_len, mesh, m * n_upd)
+        if obj_lib.needs_prox(ucfg.objective):
+            batch["prox_logp"] = score(lora.join(state.frozen, state.params), batch)
+        if ref_params is not None:
+            batch["ref_logp"] = score(lora.join(state.frozen, ref_params), batch)
+
+        # 3 U updates, each on its own B' rows
+        key = StepKey(rollout.prompt_len, full)
+        if key not in self.compiled:
+            shardings = behaviour.shardings if behaviour else None
+            self.compiled[key] = make_rl_step(ucfg, key, self.state_sh, self.batch_sh, shardings)
+        update = self.compiled[key]
+        extra = (behaviour.params,) if behaviour else ()
+        upd_metrics = []
+        for u in range(n_upd):
+            rows = jax.tree.map(lambda x, u=u: x[u * per : (u + 1) * per], batch)
+            state, metrics = update(state, sharding_lib.shard_batch(rows, mesh), *extra)
+            if on_update is not None:
+                on_update(state)
+            upd_metrics.append(jax.device_get(metrics))
+
+        # 4 the metrics: means over the updates
+        row = {k: float(np.mean([mu[k] for mu in upd_metrics])) for k in upd_metrics[0]}
+        row["ess_min"] = float(np.min([mu["ess"] for mu in upd_metrics]))
+        # the mismatch metrics of the batch's first update, where pi_theta is the policy that
+        # sampled (with rollout.lag 0): pure train/sampler mismatch, not the updates' drift
+        row.update({k: float(upd_metrics[0][k]) for k in obj_lib.MISMATCH_KEYS})
+        return state, row
+
+
+def rollout_to_batch(r: rollout_lib.Rollout, full: FullKL | None = None) -> dict:
+    """The update's arrays; with `full`, also the column its re-score reads."""
+    batch = {
+        "tokens": r.tokens,
+        "attn_mask": r.attn_mask,
+        "mask": r.loss_mask,
+        "behaviour_logp": r.behaviour_logp,
+        "advantages": r.advantages,
+    }
+    if full is not None:
+        batch.update(full.batch_rows(r))
+    return batch
+
+
+def make_rl_step(ucfg: UpdateConfig, key: StepKey, state_sh, batch_sh, behaviour_sh=None):
+    """`update_step` for `key`, jitted: (state, rows[, behaviour_params]) -> (state, metrics),
+    the state donated. With key.full_kl the update takes the behaviour params
+    (`FullKL.inputs`), sharded as `behaviour_sh`."""
+    step = functools.partial(update_step, ucfg, key, batch_sh)
+    step.__name__ = "update_step"  # compile logs name jit(update_step)
+    in_sh = (state_sh, batch_sh) if key.full_kl is None else (state_sh, batch_sh, behaviour_sh)
+    return jax.jit(
+        sharding_lib.under_mesh(step, batch_sh.mesh),
+        in_shardings=in_sh,
+        out_shardings=(state_sh, None),
+        donate_argnums=0,
+    )
+
+
+def update_step(ucfg: UpdateConfig, key: StepKey, batch_sh, state, rows, behaviour_params=None):
+    """One optimizer update on rows [B', ...] with the configured objective.
+
+    The rows of a micro-batch scope with M > 1 are shuffled within each device's block before
+    the split (`scopes.shuffle_rows`), by a permutation drawn from the seed and the update count
+    `state.step`: fixed per update, so a rerun or a resume repeats it. With model.lora.dropout
+    the policy's differentiated forwards drop adapter inputs, each row by its key from the seed
+    and `state.step` (`steps.with_dropout_keys`); the proximal and reference log-probs
+    (`steps.score_fn`) and the re-scored pi_b are dropout-free."""
+    ocfg, m = ucfg.objective, ucfg.num_microbatches
+    entropy = ocfg.beta_ent != 0
+    # the log-prob function the gradient differentiates
+    if key.full_kl is None:
+        logp_fn = steps.logp_fn_for(ucfg.model, key.prompt_len, entropy=entropy)
+    else:  # pi_b's whole distribution re-scored beside it
+        logp_fn = key.full_kl.logp_fn(ucfg.model, key.prompt_len, state, behaviour_params, entropy)
+    if state.frozen is not None:  # LoRA: the gradient of the adapters only
+        logp_fn = _over_base(logp_fn, state.frozen)
+
+    # each row's LoRA dropout key and the row shuffle's key: from the seed and the update count
+    rows = steps.with_dropout_keys(ucfg.model, rows, ucfg.seed, state.step, batch_sh)
+    shuffle = None
+    if scopes.shuffled(ocfg, m):
+        shuffle = jax.random.fold_in(jax.random.key(ucfg.seed), state.step)
+    row_blocks = math.prod(batch_sh.mesh.shape[a] for a in sharding_lib.BATCH)
+
+    # micro-batches, the ESS statistics pass and the gradient
+    loss, grads, metrics = step_loss_and_grad(
+        logp_fn, state.params, rows, ocfg, m, shuffle, row_blocks, group_size=ucfg.group_size
+    )
+
+    # the optimizer
+    state, grad_norm, ok = optim.apply_update(state, ucfg.tx, loss, grads, metrics.get("lr_scale"))
+    return state, {**metrics, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32)}
+
+
+def step_loss_and_grad(
+    logp_fn: accumulate.LogpFn,
+    params: Any,
+    batch: obj_lib.Batch,
+    config: obj_lib.ObjectiveConfig,
+    num_microbatches: int = 1,
+    key: jax.Array | None = None,
+    row_blocks: int = 1,
+    group_size: int | None = None,
+) -> tuple[jax.Array, Any, obj_lib.Metrics]:
+    """Loss, gradient and metrics of one optimizer batch, accumulated over micro-batches.
+
+    `logp_fn(params, micro_batch)` returns logp_BxT (float32), or (logp_BxT, extras) whose
+    extras (e.g. "entropy" [B, T]) are added to the micro-batch. Arrays of `batch` with a
+    leading batch axis are split; scalars are shared, and caller-supplied step statistics
+    (ess, ess_prox, num_tokens, num_seqs) win where the scope keeps them (KEPT_STATISTICS).
+    ObjectiveConfig.ess_scope picks the scope's pass (`accumulate.SCOPES`). `key` (a PRNG key;
+    None: no shuffle) and `row_blocks` (the batch's shards along its rows) shuffle the rows
+    before the split in the micro-batch scopes with M > 1 (`scopes.shuffle_rows`).
+    An objective whose record has a `batch_pass` (vcpo) first gets the per-row gradient norms
+    of the whole batch, in rollout row order (`group_size` consecutive rows per prompt); its
+    rows and scalars join the batch. The metrics include `core.mismatch_metrics` of the whole
+    batch (one sort of its B x T log-ratios: the micro-batches' log-probs are kept for it).
+    """
+    m = num_microbatches
+    batch_size = batch["mask"].shape[0]
+    if m < 1 or batch_size % m:
+        raise ValueError(f"batch size {batch_size} is not divisible by num_microbatches={m}")
+    rows, shared = scopes.rows_and_shared(batch, config)
+    objective = obj_lib.get_objective(config.name)
+    acc = accumulate.Accumulator(logp_fn, objective, config, params)
+    if objective.batch_pass is not None:
+        sq_B, logp_BxT = accumulate.seq_grad_sq(logp_fn, jax.lax.stop_gradient(params), rows, m)
+        added_rows, added_shared = objective.batch_pass(sq_B, logp_BxT, rows, config, group_size)
+        rows, shared = {**rows, **added_rows}, {**shared, **added_shared}
+    if m == 1:  # one micro-batch: the objective's own statistics are the step's
+        (loss, (metrics, logp)), grads = acc.grad_fn(params, {**rows, **shared})
+        return loss, grads, {**metrics, **obj_lib.mismatch_metrics(logp, rows)}
+    if key is not None and config.ess_scope in scopes.SHUFFLED_SCOPES:
+        rows = scopes.shuffle_rows(rows, key, row_blocks)
+    loss, grads, metrics, logp_M = accumulate.SCOPES[config.ess_scope](acc, rows, shared, m)
+    return loss, grads, {**metrics, **obj_lib.mismatch_metrics(merge_microbatches(logp_M), rows)}
+
+
+def _over_base(logp_fn, frozen):
+    """`logp_fn` of the adapters alone: the frozen base joined in, outside the differentiated
+    argument (its gradient is never formed)."""
+    return lambda adapters, mb: logp_fn(lora.join(frozen, adapters), mb)
