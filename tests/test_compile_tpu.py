@@ -157,7 +157,7 @@ def test_two_host_topology(tiny, tmp_path):
     topology spans two hosts (v5e:2x4: 8 chips, 2 hosts in libtpu's description)."""
     rec = json.loads(_compile(tiny, "v5e:2x4", tmp_path).read_text())
     assert (rec["devices"], rec["hosts"]) == (8, 2)
-    assert rec["mesh"] == {"data": 1, "fsdp": -1, "tensor": 1}
+    assert rec["mesh"] == {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}
     assert all("error" not in p for p in rec["programs"].values()) and rec["fits"]
 
 

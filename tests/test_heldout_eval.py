@@ -167,10 +167,10 @@ def test_tool_refuses_bad_data_and_unencodable_prompts_in_one_line(tmp_path, cap
          "positive integers"),
         ("--mesh=fsdp", "--mesh fsdp: 'fsdp' is not AXIS=SIZE (e.g. fsdp=4,tensor=2; one size "
          "may be -1, the devices left)"),
-        ("--mesh=fsdp=3", "--mesh fsdp=3: mesh {'data': 1, 'fsdp': 3, 'tensor': 1} needs 3 "
-         "devices, have 8"),
-        ("--mesh=expert=8", "--mesh expert=8: unknown mesh axes ['expert']; valid: ('data', "
-         "'fsdp', 'tensor')"),
+        ("--mesh=fsdp=3", "--mesh fsdp=3: mesh {'data': 1, 'fsdp': 3, 'tensor': 1, 'expert': 1} "
+         "needs 3 devices, have 8"),
+        ("--mesh=pipeline=8", "--mesh pipeline=8: unknown mesh axes ['pipeline']; valid: "
+         "('data', 'fsdp', 'tensor', 'expert')"),
         ("--data=aime24", "--data aime24: 'aime24' is not NAME=DIR (names: aime24, aime25, amc23, "
          "math500)"),
     ],

@@ -344,11 +344,11 @@ Q = os.path.join(ROOT, "configs/quickstart.py")
          "--mesh fsdp=x: 'fsdp=x' is not AXIS=SIZE (e.g. fsdp=4,tensor=2; one size may be -1, "
          "the devices left)"),
         ([f"--config={Q}:tiny", "--device=h100", "--num_devices=8", "--mesh=fsdp=3"],
-         "--mesh fsdp=3 on 8 devices: mesh {'data': 1, 'fsdp': 3, 'tensor': 1} needs 3 devices, "
-         "have 8"),
-        ([f"--config={Q}:tiny", "--device=h100", "--num_devices=8", "--mesh=expert=8"],
-         "--mesh expert=8 on 8 devices: unknown mesh axes ['expert']; valid: ('data', 'fsdp', "
-         "'tensor')"),
+         "--mesh fsdp=3 on 8 devices: mesh {'data': 1, 'fsdp': 3, 'tensor': 1, 'expert': 1} needs "
+         "3 devices, have 8"),
+        ([f"--config={Q}:tiny", "--device=h100", "--num_devices=8", "--mesh=pipeline=8"],
+         "--mesh pipeline=8 on 8 devices: unknown mesh axes ['pipeline']; valid: ('data', "
+         "'fsdp', 'tensor', 'expert')"),
     ],
 )  # fmt: skip
 def test_tool_refuses_a_mistake_in_one_line(argv, line, capsys):

@@ -51,7 +51,7 @@ def test_refused_preset_prints_the_plan_then_the_miss(capsys):
     assert plan_memory.main([f"--config={path}:p3o,v5e-16"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("planned although the config file refuses it: preset 'v5e-16'")
-    assert out[1].startswith("mesh {'data': 1, 'fsdp': 4, 'tensor': 4}, device v5e")
+    assert out[1].startswith("mesh {'data': 1, 'fsdp': 4, 'tensor': 4, 'expert': 1}, device v5e")
     with presets.planning():
         plan = plan_memory.memory.plan(plan_memory.load_config(f"{path}:p3o,v5e-16"), 16, "v5e")
     over = (plan.peak - plan.usable) / GB

@@ -121,7 +121,7 @@ def paper_cells(name: str) -> dict[str, Cell]:
 
 def _cell_text(cell: Cell, preset: presets.Preset) -> str:
     text = f"{cell.peak / GB:.0f}" if cell.fits else f"does not fit ({cell.peak / GB:.0f})"
-    if cell.mesh != preset.mesh:
+    if cell.mesh != sharding.mesh_shape(preset.mesh, preset.num_devices):  # axes left out: 1
         text += " (" + ", ".join(f"{a} {n}" for a, n in cell.mesh.items() if n != 1) + ")"
     return text
 

@@ -46,11 +46,12 @@ frozen = dataclasses.dataclass(frozen=True)
 
 @frozen
 class MeshFields:
-    """mesh: the device mesh ("data", "fsdp", "tensor"); -1: the remaining devices."""
+    """mesh: the device mesh ("data", "fsdp", "tensor", "expert"); -1: the remaining devices."""
 
     data: int = knob(1, MESH_AXIS, "data-parallel ranks (each its own rows of the batch)")
     fsdp: int = knob(-1, MESH_AXIS, "ranks sharding the params and optimizer state (FSDP)")
     tensor: int = knob(1, MESH_AXIS, "ranks sharding each matmul (tensor parallel)")
+    expert: int = knob(1, MESH_AXIS, "ranks splitting each MoE layer's experts (expert parallel)")
 
 
 @frozen

@@ -50,8 +50,9 @@ from ess_jax.rl import experiment, lora_policy
 
 def abstract_mesh(sizes: dict) -> AbstractMesh:
     """A mesh of any shape without devices: shardings and shard shapes, nothing placed."""
-    axes = sharding_lib.MESH_AXES
-    return AbstractMesh(tuple(int(sizes[a]) for a in axes), axes, axis_types=(AxisType.Auto,) * 3)
+    axes = sharding_lib.MESH_AXES  # an axis `sizes` leaves out has size 1
+    shape = tuple(int(sizes.get(a, 1)) for a in axes)
+    return AbstractMesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def model_config(mcfg) -> model_lib.ModelConfig:

@@ -1,7 +1,17 @@
 """Device mesh, logical-axis rules, and the one reshard between train and sample layouts.
 
 Mesh axes: `data` (pure data parallel), `fsdp` (data parallel whose ranks also shard the
-parameters and optimizer state), `tensor` (Megatron-style model parallel).
+parameters and optimizer state), `tensor` (Megatron-style model parallel), `expert` (expert
+parallel: a mixture-of-experts layer's experts split over its ranks, model/moe.py; size 1 by
+default, and a dense model places nothing on it).
+
+`expert` is a model-parallel axis, as `tensor` is, not a data axis: its ranks see the same rows
+(it is not in BATCH). Each holds E / expert of every MoE layer's experts (logical axis "expert",
+in both layouts) and computes them for those rows; moe.py's dense expert path sums over the
+experts in one contraction, which GSPMD turns into an all-reduce over `expert`. The other
+weights are replicated over it. A size-1 axis, or one the mesh lacks, is left out of every
+PartitionSpec (`logical_to_spec`): with expert = 1 every array is placed by the other three
+axes alone. It is the last mesh axis, after `tensor`.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 BATCH = ("data", "fsdp")  # the batch is split over every data-parallel axis
 
 # Logical axis -> mesh axis. Train: FSDP shards the `embed` dim of every matrix so params
@@ -29,6 +39,7 @@ TRAIN_RULES: dict[str, Any] = {
     "mlp": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
+    "expert": "expert",
     "head_dim": None,
     "norm": None,
     "batch": BATCH,
@@ -92,7 +103,9 @@ def maybe_initialize_distributed() -> None:
 
 
 def mesh_shape(shape: Mapping[str, int] | Sequence[int] | None, num_devices: int) -> dict:
-    """{data, fsdp, tensor} sizes for `num_devices`, resolving one -1; ValueError if impossible.
+    """{data, fsdp, tensor, expert} sizes for `num_devices`, resolving one -1; ValueError if
+    impossible. An axis a mapping leaves out has size 1; a sequence gives the sizes in MESH_AXES
+    order, three of them meaning expert = 1.
 
     `shape=None` puts every device on `fsdp`.
     """
@@ -105,8 +118,13 @@ def mesh_shape(shape: Mapping[str, int] | Sequence[int] | None, num_devices: int
         sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
     else:
         sizes = [int(s) for s in shape]
-        if len(sizes) != 3:
-            raise ValueError(f"mesh shape needs 3 sizes (data, fsdp, tensor), got {sizes}")
+        if len(sizes) == len(MESH_AXES) - 1:
+            sizes.append(1)
+        if len(sizes) != len(MESH_AXES):
+            raise ValueError(
+                f"mesh shape needs {len(MESH_AXES)} sizes {MESH_AXES} (or 3, expert = 1), "
+                f"got {sizes}"
+            )
     if sizes.count(-1) > 1:
         raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
     known = math.prod(s for s in sizes if s != -1)
@@ -126,11 +144,12 @@ def make_mesh(
     shape: Mapping[str, int] | Sequence[int] | None = None,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Mesh over (data, fsdp, tensor). One size may be -1 (all remaining devices)."""
+    """Mesh over MESH_AXES. One size may be -1 (all remaining devices)."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = tuple(mesh_shape(shape, len(devices)).values())
     # Auto axes: GSPMD propagation with sharding constraints (jax 0.10 defaults to Explicit).
-    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+    auto = (AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=auto, devices=devices)
 
 
 def _mesh_axis_size(mesh: Mesh, axis) -> int:
@@ -147,8 +166,9 @@ def logical_to_spec(
         axis = rules.get(name) if name is not None else None
         if axis is not None:
             axes = axis if isinstance(axis, tuple) else (axis,)
-            # never map two dims of one array to the same mesh axis; skip size-1 axes
-            axes = tuple(a for a in axes if a not in used and mesh.shape[a] > 1)
+            # never map two dims of one array to the same mesh axis; skip size-1 axes and
+            # those a mesh built by hand lacks
+            axes = tuple(a for a in axes if a not in used and mesh.shape.get(a, 1) > 1)
             if not axes or dim % _mesh_axis_size(mesh, axes):
                 axis = None
             else:
