@@ -71,7 +71,7 @@ def _hf_model(family, tied, extra, seed=0):
     return m
 
 
-def _torch_logits(m, tokens, mask=None):
+def torch_logits(m, tokens, mask=None):
     import torch
 
     kw = {}
@@ -85,11 +85,11 @@ def _torch_logits(m, tokens, mask=None):
 _apply = jax.jit(model.apply, static_argnums=0)
 
 
-def _tokens(vocab, b=2, t=12, seed=0):
+def random_tokens(vocab, b=2, t=12, seed=0):
     return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
 
 
-def _max_diff(a, b):
+def max_diff(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
 
 
@@ -105,41 +105,41 @@ def test_parity_with_hf_torch(case, tmp_path):
     assert (cfg.family, cfg.tie_embeddings) == (family, tied)
     assert ("lm_head" in params) != tied
 
-    tokens = _tokens(cfg.vocab_size)
-    ref = _torch_logits(m, tokens)
+    tokens = random_tokens(cfg.vocab_size)
+    ref = torch_logits(m, tokens)
     apply = _apply
     logits = apply(cfg, params, tokens)
     assert logits.dtype == jnp.float32
-    diff = _max_diff(logits, ref)
+    diff = max_diff(logits, ref)
     print(f"{case}: max |logits - torch| = {diff:.2e}")
     assert diff <= TOL
 
     # left padding: our positions_from_mask == HF position_ids; only real tokens compared
     mask = jnp.ones(tokens.shape, bool).at[1, :3].set(False)
-    ref_pad = _torch_logits(m, tokens, mask)
+    ref_pad = torch_logits(m, tokens, mask)
     got_pad = apply(cfg, params, tokens, mask)
-    assert _max_diff(got_pad[1, 3:], ref_pad[1, 3:]) <= TOL
+    assert max_diff(got_pad[1, 3:], ref_pad[1, 3:]) <= TOL
 
     # per-token log-probs agree with torch's log_softmax
     lp = scoring.token_logprobs(cfg, params, tokens)
     ref_lp = torch.log_softmax(torch.tensor(ref[:, :-1]), -1).numpy()
     ref_lp = np.take_along_axis(ref_lp, np.asarray(tokens)[:, 1:, None], -1)[..., 0]
-    assert _max_diff(lp[:, 1:], ref_lp) <= TOL and np.all(np.asarray(lp[:, 0]) == 0)
+    assert max_diff(lp[:, 1:], ref_lp) <= TOL and np.all(np.asarray(lp[:, 0]) == 0)
     # scored from a prompt width on (the RL step's LM head skips the prompt), left-padded
     lp_s = scoring.token_logprobs(cfg, params, tokens, mask, start=4)
     ref_s = torch.log_softmax(torch.tensor(ref_pad[:, 3:-1]), -1).numpy()
     ref_s = np.take_along_axis(ref_s, np.asarray(tokens)[:, 4:, None], -1)[..., 0]
-    assert _max_diff(lp_s, ref_s) <= TOL
+    assert max_diff(lp_s, ref_s) <= TOL
 
     # save_hf -> load_hf round trip is exact; torch loads our files and agrees
     weights.save_hf(cfg, params, tmp_path / "ours")
     cfg2, params2 = weights.load_hf(tmp_path / "ours")
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params2, params)
-    assert _max_diff(apply(cfg2, params2, tokens), ref) <= TOL
+    assert max_diff(apply(cfg2, params2, tokens), ref) <= TOL
     m2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert type(m2) is type(m)
-    assert _max_diff(_torch_logits(m2, tokens), ref) <= TOL
+    assert max_diff(torch_logits(m2, tokens), ref) <= TOL
 
 
 @pytest.fixture(scope="module")
@@ -171,16 +171,16 @@ def tiny():
 
 def test_causality(tiny):
     cfg, params = tiny
-    tokens = _tokens(cfg.vocab_size, t=10)
+    tokens = random_tokens(cfg.vocab_size, t=10)
     changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % cfg.vocab_size)
     a, b = _apply(cfg, params, tokens), _apply(cfg, params, changed)
     np.testing.assert_allclose(a[:, :6], b[:, :6], atol=1e-6, rtol=0)
-    assert _max_diff(a[:, 6:], b[:, 6:]) > 1e-3
+    assert max_diff(a[:, 6:], b[:, 6:]) > 1e-3
 
 
 def test_jit_equals_no_jit(tiny):
     cfg, params = tiny
-    tokens = _tokens(cfg.vocab_size)
+    tokens = random_tokens(cfg.vocab_size)
     eager = model.apply(cfg, params, tokens)
     jitted = _apply(cfg, params, tokens)
     np.testing.assert_allclose(jitted, eager, atol=1e-5, rtol=1e-5)
@@ -192,7 +192,7 @@ def test_sharded_forward_equals_single_device(tiny):
     shardings = model.param_shardings(cfg, mesh, "train")
     sharded_params = jax.device_put(params, shardings)
     assert sharded_params["layers"][0]["mlp"]["gate"].sharding.spec == jax.P("fsdp", "tensor")
-    tokens = _tokens(cfg.vocab_size, b=4)
+    tokens = random_tokens(cfg.vocab_size, b=4)
     mask = jnp.ones(tokens.shape, bool).at[1, :2].set(False)
     batch = sharding.shard_batch({"tokens": tokens, "mask": mask}, mesh)
     assert len(batch["tokens"].sharding.device_set) == 8
@@ -205,7 +205,7 @@ def test_sharded_forward_equals_single_device(tiny):
 def test_kv_cache_decode_matches_full_forward(tiny):
     cfg, params = tiny
     b, t, prompt = 3, 12, 5
-    tokens = _tokens(cfg.vocab_size, b=b, t=t)
+    tokens = random_tokens(cfg.vocab_size, b=b, t=t)
     # row 1 and 2 are left-padded (2 and 4 pads), as a batch of prompts would be
     mask = jnp.ones((b, t), bool).at[1, :2].set(False).at[2, :4].set(False)
     positions = model.positions_from_mask(mask)
@@ -230,11 +230,11 @@ def test_kv_cache_decode_matches_full_forward(tiny):
 
 def test_bfloat16_compute_is_close_not_identical(tiny):
     cfg, params = tiny
-    tokens = _tokens(cfg.vocab_size)
+    tokens = random_tokens(cfg.vocab_size)
     f32 = _apply(cfg, params, tokens)
     bf16 = _apply(cfg.replace(dtype="bfloat16"), params, tokens)
     assert bf16.dtype == jnp.float32  # logits always float32
-    diff, scale = _max_diff(bf16, f32), float(jnp.max(jnp.abs(f32)))
+    diff, scale = max_diff(bf16, f32), float(jnp.max(jnp.abs(f32)))
     print(f"bf16 vs f32: max diff {diff:.3e}, logit scale {scale:.2f}")
     assert 0 < diff < 0.05 * scale
     # same greedy choice almost everywhere

@@ -14,7 +14,8 @@ and Open MPI jobs of more than one process).
 MEM_FRACTION: the share of device memory the planner allows and `ess_jax.main` gives jax;
 `user_memory_fraction` reads (and checks) the user's own.
 
-KNOWN_MODELS: the config.json fields of those models (and SmolLM2), so that the memory planner
+KNOWN_MODELS: the config.json fields of those models (and SmolLM2, and the mixture of experts
+Qwen3-30B-A3B), so that the memory planner
 (ess_jax/memory/planner.py) and the config checks can size a run without the checkpoint.
 """
 
@@ -191,7 +192,8 @@ def parse_mesh(text: str, flag: str = "--mesh") -> dict[str, int]:
     return out
 
 
-# config.json fields of the paper's models (and SmolLM2), for planning without the checkpoint.
+# config.json fields of the paper's models (and SmolLM2, Qwen3-30B-A3B), for planning without
+# the checkpoint.
 KNOWN_MODELS: dict[str, dict] = {
     "Qwen3-4B-Thinking-2507": dict(
         architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=2560,
@@ -204,6 +206,14 @@ KNOWN_MODELS: dict[str, dict] = {
         intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
         tie_word_embeddings=False, rms_norm_eps=1e-6,
+    ),
+    "Qwen3-30B-A3B": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[],
     ),
     "Qwen2.5-1.5B": dict(
         architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536,

@@ -15,11 +15,11 @@ Public API:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
-from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _FAMILY_ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 # The flags each family implies; a cfg that disagrees cannot be written as that HF class.
@@ -46,6 +47,16 @@ _FAMILY_FLAGS = {
     "llama": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
+}
+# a Qwen3-MoE config.json's expert fields and transformers' Qwen3MoeConfig defaults for them
+_MOE_DEFAULTS = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": (),
 }
 _SUPPORTED_ROPE = ("default", "llama3")
 SINGLE_FILE = "model.safetensors"
@@ -78,8 +89,19 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, tuple | None]:
     return theta, (("rope_type", kind), *sorted(params.items()))
 
 
+def _moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The ModelConfig expert fields of a Qwen3-MoE config.json (transformers writes
+    `num_experts` as `num_local_experts`, the Hub's files name it `num_experts`)."""
+    out = {k: hf.get(k, default) for k, default in _MOE_DEFAULTS.items()}
+    out["num_experts"] = hf.get("num_experts", hf.get("num_local_experts", 128))
+    out["mlp_only_layers"] = tuple(out["mlp_only_layers"] or ())
+    out["norm_topk_prob"] = bool(out["norm_topk_prob"])
+    return out
+
+
 def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
-    """ModelConfig from a Hugging Face config.json dict (Llama, Qwen2, Qwen3 causal LMs)."""
+    """ModelConfig from a Hugging Face config.json dict (Llama, Qwen2, Qwen3, Qwen3-MoE causal
+    LMs)."""
     hf = hf_config
     arch = _architecture(hf)
     family = ARCHITECTURES[arch]
@@ -115,6 +137,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> ModelConfig:
         eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
         pad_token_id=hf.get("pad_token_id"),
         **_FAMILY_FLAGS[family],
+        **(_moe_fields(hf) if family == "qwen3_moe" else {}),
     )
 
 
@@ -153,8 +176,13 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out.update(attention_bias=False, mlp_bias=False)
     else:  # Qwen2 always has q/k/v biases; Qwen3 has a switch for them (and o_proj's)
         out["use_sliding_window"] = False
-        if cfg.family == "qwen3":
+        if cfg.family in ("qwen3", "qwen3_moe"):
             out["attention_bias"] = False
+    if cfg.family == "qwen3_moe":
+        out.update({k: getattr(cfg, k) for k in _MOE_DEFAULTS})
+        out["mlp_only_layers"] = list(cfg.mlp_only_layers)
+    elif cfg.num_experts:
+        raise ValueError(f"family {cfg.family!r} has no experts; cfg has {cfg.num_experts}")
     return out
 
 
@@ -205,36 +233,45 @@ def load_hf(
     cfg = hf_layout.with_dtype(config_from_hf(_read_config(path)), dtype)
     weight_map = _weight_map(path)
     abstract = hf_layout.flat_abstract(cfg)
-    names = {p: hf_layout.hf_name(p) for p in abstract}
-    missing = [n for n in names.values() if n not in weight_map]
+    # the checkpoint tensors of each param: one, or an expert stack's E (hf_layout.sources)
+    sources = {p: hf_layout.sources(p, x.shape, weight_map) for p, x in abstract.items()}
+    needed = [n for names in sources.values() for n in names]
+    missing = [n for n in needed if n not in weight_map]
     if missing:
         raise KeyError(
             f"checkpoint {str(path)!r} is missing tensor {missing[0]!r}"
             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         )
-    ignored = set(weight_map) - set(names.values()) - {"lm_head.weight"}
+    ignored = set(weight_map) - set(needed) - {"lm_head.weight"}
     if ignored:
         log.warning("ignoring %d unexpected tensors, e.g. %s", len(ignored), sorted(ignored)[:3])
 
-    by_file = defaultdict(list)
-    for p, name in names.items():
-        by_file[weight_map[name]].append(p)
+    # params in the order of their first tensor's file; each file opened once (memory-mapped)
+    order = sorted(abstract, key=lambda p: weight_map[sources[p][0]])
     place = hf_layout.placer(cfg, mesh, layout)
     flat = {}
-    for file, paths in sorted(by_file.items()):
-        try:
-            with safe_open(path / file, framework="numpy") as f:
-                for p in paths:  # one tensor on the host at a time
-                    w = f.get_tensor(names[p])
-                    want = hf_layout.hf_shape(p, abstract[p].shape)
-                    if tuple(w.shape) != want:
-                        raise ValueError(
-                            f"tensor {names[p]!r} in {file!r} has shape "
-                            f"{tuple(w.shape)}, the config needs {want}"
-                        )
-                    flat[p] = place(p, hf_layout.to_ours(p, w, abstract[p].shape))
-        except SafetensorError as e:
-            raise ValueError(f"cannot read {str(path / file)!r} (truncated?): {e}") from e
+    with contextlib.ExitStack() as files:
+        opened = {}
+
+        def read(p, name):
+            file = weight_map[name]
+            try:
+                if file not in opened:
+                    opened[file] = files.enter_context(safe_open(path / file, framework="numpy"))
+                w = opened[file].get_tensor(name)
+            except SafetensorError as e:
+                raise ValueError(f"cannot read {str(path / file)!r} (truncated?): {e}") from e
+            want = hf_layout.source_shape(p, name, abstract[p].shape)
+            if tuple(w.shape) != want:
+                raise ValueError(
+                    f"tensor {name!r} in {file!r} has shape {tuple(w.shape)}, the config "
+                    f"needs {want}"
+                )
+            return w
+
+        for p in order:  # one param's tensors on the host at a time
+            tensors = [read(p, name) for name in sources[p]]
+            flat[p] = place(p, hf_layout.from_sources(p, tensors, abstract[p].shape))
     return cfg, hf_layout.unflatten(cfg, flat)
 
 
@@ -294,7 +331,9 @@ def save_hf(
         (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
     weight_map, total = {}, 0
     for file, shard in zip(files, shards):
-        tensors = {hf_layout.hf_name(p): hf_layout.to_hf(p, _host(leaves[p])) for p in shard}
+        tensors = {
+            n: w for p in shard for n, w in hf_layout.to_hf_tensors(p, _host(leaves[p])).items()
+        }
         total += sum(t.nbytes for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file))
         if writer:

@@ -1,5 +1,6 @@
-"""The policy: a Flax NNX decoder of the Llama / Qwen2 / Qwen3 families (decoder.py, its
-`ModelConfig` in config.py) built from the layers in layers.py, its KV cache (kv_cache.py), and
+"""The policy: a Flax NNX decoder of the Llama / Qwen2 / Qwen3 / Qwen3-MoE families (decoder.py,
+its `ModelConfig` in config.py) built from the layers in layers.py and the mixture-of-experts
+block in moe.py, its KV cache (kv_cache.py), and
 the teacher-forced log-probs the trainer differentiates (scoring.py)."""
 
 from ess_jax.model.config import ModelConfig

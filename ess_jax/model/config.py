@@ -32,7 +32,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     max_position_embeddings: int = 4096
     dtype: str = "float32"  # compute dtype: float32 | bfloat16
-    family: str = "llama"  # llama | qwen2 | qwen3
+    family: str = "llama"  # llama | qwen2 | qwen3 | qwen3_moe
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -69,8 +69,21 @@ class ModelConfig:
     # the block matrices' storage (quant.py): "compute" = the param dtype; "int8" / "int4" =
     # codes with per-output-channel scales, dequantized inside the forward (QLoRA: lora_rank > 0)
     lora_base_precision: str = "compute"
+    # mixture of experts (moe.py, the Qwen3-MoE family): 0 experts = every block a dense MLP.
+    # Layer i is sparse when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers
+    # (transformers' Qwen3MoeDecoderLayer); a sparse layer routes each token to its
+    # num_experts_per_tok experts of width moe_intermediate_size, a dense one keeps the
+    # intermediate_size MLP. norm_topk_prob: the top-k probabilities renormalised to sum to 1
+    num_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if self.num_experts:
+            self._check_experts()
         if self.lora_base_precision not in LORA_BASE_PRECISIONS:
             raise ValueError(
                 f"ModelConfig.lora_base_precision: unknown {self.lora_base_precision!r}; "
@@ -99,6 +112,31 @@ class ModelConfig:
             )
         if self.decode_block < 1:
             raise ValueError(f"ModelConfig.decode_block {self.decode_block}: must be >= 1")
+
+    def _check_experts(self):
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok {self.num_experts_per_tok}: must be in "
+                f"[1, num_experts = {self.num_experts}]"
+            )
+        if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"ModelConfig: moe_intermediate_size {self.moe_intermediate_size} and "
+                f"decoder_sparse_step {self.decoder_sparse_step} must be >= 1 with experts"
+            )
+        if self.lora_rank:
+            raise ValueError(
+                "ModelConfig: LoRA adapters (lora_rank > 0) on a mixture-of-experts model "
+                "(num_experts > 0) are not supported"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block `layer` is a mixture of experts (moe.py) rather than a dense MLP."""
+        return (
+            self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+            and layer not in self.mlp_only_layers
+        )
 
     @property
     def compute_dtype(self) -> jnp.dtype:

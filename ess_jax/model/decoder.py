@@ -1,7 +1,11 @@
-"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 families.
+"""Flax NNX decoder for the Llama / Qwen2 / Qwen3 / Qwen3-MoE families.
 
 Axis alphabet used in names: B batch, T time (query), S cache/key length, D model width,
 H query heads, N kv heads, K head dim, F MLP width, V vocab, L layers.
+
+A block's feed-forward is the dense SwiGLU `MLP`, or in a Qwen3-MoE model's sparse layers
+(`ModelConfig.is_sparse`) moe.py's mixture of experts (param keys `router`, `expert_gate`,
+`expert_up`, `expert_down` in place of `gate`, `up`, `down`).
 
 Parameters are float32 masters; `ModelConfig.dtype` is the compute dtype. Every parameter
 carries logical axis names (`out_sharding` metadata) that sharding.py maps to mesh axes.
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from ess_jax.model import kv_cache, lora, quant, splash
+from ess_jax.model import kv_cache, lora, moe, quant, splash
 from ess_jax.model.blockwise_decode import decode_step_attention
 from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import (
@@ -183,11 +187,11 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = _ones((cfg.hidden_size,), ("norm",))
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = moe.MoE(cfg, rngs=rngs) if cfg.is_sparse(layer) else MLP(cfg, rngs=rngs)
 
     def __call__(
         self, cfg, x, positions, kv_mask, cache, cache_index, attend_len=None, lora_keys=None
@@ -219,7 +223,7 @@ class Decoder(nnx.Module):
             ("vocab", "embed"),
             1.0 / math.sqrt(cfg.hidden_size),
         )
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.num_layers)])
         self.final_norm = _ones((cfg.hidden_size,), ("norm",))
         if not cfg.tie_embeddings:
             self.lm_head = _param(

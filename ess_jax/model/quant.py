@@ -53,6 +53,10 @@ INPUT_AXES = {
     "gate": (0,),
     "up": (0,),
     "down": (0,),
+    # an MoE layer's expert stacks (moe.py, [E, in, out]): scales per expert and output channel
+    "expert_gate": (1,),
+    "expert_up": (1,),
+    "expert_down": (1,),
 }
 # model.lora.base_precision -> (codes dtype, QMAX); "compute": the base in the param dtype
 BASE_FORMATS = {"int8": ("int8", 127.0), "int4": ("int4", 7.0)}

@@ -2,7 +2,8 @@
 
 Every mode but float32 computes in a 16-bit dtype; the norm vectors stay float32 (the model does
 its statistics in float32 either way). The weight formats quantize the seven block matrices
-q/k/v/o/gate/up/down (`INPUT_AXES`) with symmetric scales, scale = max|w| / QMAX over each
+q/k/v/o/gate/up/down (`INPUT_AXES`; in an MoE layer the expert stacks, per expert, in place of
+gate/up/down, its router staying bfloat16) with symmetric scales, scale = max|w| / QMAX over each
 output channel (all input axes of the matrix) or over the whole tensor, codes = w / scale
 rounded to nearest, ties to even (the float casts; `jnp.round` then a clip for the integers);
 the embedding and LM head stay bfloat16, as in common quantized-serving recipes. Inside each

@@ -1,0 +1,121 @@
+"""The mixture-of-experts feed-forward block of the Qwen3-MoE family, and the router's auxiliary
+load-balancing loss.
+
+Axis alphabet as in decoder.py, plus E experts, X the experts a token is routed to (top-k,
+`num_experts_per_tok`) and F an expert's width (`moe_intermediate_size`).
+
+Routing follows transformers' Qwen3MoeTopKRouter: router logits x W_r ([D, E], in the compute
+dtype), softmax over the experts in float32, the top-k probabilities, divided by their sum
+when `norm_topk_prob`, then cast back to the compute dtype. Each expert is a SwiGLU,
+down(silu(x gate) * (x up)), and a token's output is the sum of its X experts' outputs, each
+times its routing weight. There is no capacity limit and no token dropping: every token gets
+its X experts, whatever the others do, so the block is a function of each token alone.
+
+The experts' computation here is the dense path: every expert runs on every token, and the
+routing weights enter as a [B, T, E] combine matrix that is zero off each token's top-k. It is
+exact (a non-selected expert's output is multiplied by 0 and adds 0, and its weights get a
+zero gradient from that token), has no data-dependent shapes (jit-able, differentiable, the
+same program for any routing) and shards over the experts with GSPMD alone: with the expert
+stacks split over the `expert` mesh axis each rank computes its own experts for its rows, and
+the sum over experts becomes one all-reduce over that axis, as the tensor-parallel down
+projection of a dense MLP is. Its cost is E / X times the routed flops and a [B, T, E, F]
+activation: the path for CPU tests and small models. The weights of all experts are stacked,
+expert axis first ([E, D, F] and [E, F, D], logical axis "expert"), the layout grouped-matmul
+kernels read. The combine matrix multiplies the SwiGLU activation before the down projection,
+so the down projection and the sum over experts are one contraction over (E, F) and no
+[B, T, E, D] tensor exists.
+
+`load_balancing_loss` is transformers' `load_balancing_loss_func` (the Switch Transformer's
+auxiliary loss) on the router logits of the sparse layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ess_jax.model.config import ModelConfig
+from ess_jax.model.layers import dense, matmul_input
+
+# the MoE block's parameters; the expert stacks' names differ from the dense MLP's gate / up /
+# down, so that code keyed on a matrix's name (quant.INPUT_AXES) reads their own layout
+ROUTER = "router"
+EXPERT_MATRICES = ("expert_gate", "expert_up", "expert_down")
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, scale: float) -> nnx.Param:
+    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def route(cfg: ModelConfig, logits_BxTxE: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(weights_BxTxX in the logits' dtype, experts_BxTxX int32): each token's top-k experts
+    and their routing weights, as transformers' Qwen3MoeTopKRouter computes them."""
+    probs = jax.nn.softmax(logits_BxTxE.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights.astype(logits_BxTxE.dtype), experts
+
+
+def combine_matrix(weights_BxTxX: jax.Array, experts_BxTxX: jax.Array, e: int) -> jax.Array:
+    """[B, T, E]: each token's routing weight at its experts, 0 elsewhere (exact: the top-k
+    experts are distinct, so each entry is one weight or a sum of zeros)."""
+    one_hot = jax.nn.one_hot(experts_BxTxX, e, dtype=weights_BxTxX.dtype)
+    return (one_hot * weights_BxTxX[..., None]).sum(-2)
+
+
+class MoE(nnx.Module):
+    """Router [D, E] and E SwiGLU experts, stacked: gate and up [E, D, F], down [E, F, D]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        # the router is small ([D, E]) and every rank needs all of it: not split over experts
+        self.router = _normal(rngs, (d, e), ("embed", None), 1.0 / math.sqrt(d))
+        in_axes, out_axes = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
+        self.expert_gate = _normal(rngs, (e, d, f), in_axes, 1.0 / math.sqrt(d))
+        self.expert_up = _normal(rngs, (e, d, f), in_axes, 1.0 / math.sqrt(d))
+        self.expert_down = _normal(rngs, (e, f, d), out_axes, 1.0 / math.sqrt(f))
+
+    def router_logits(self, cfg, x_BxTxD: jax.Array) -> jax.Array:
+        """[B, T, E] in the compute dtype, of the block's normed input x."""
+        return self._logits(cfg, matmul_input(x_BxTxD, cfg.activation_fp8))
+
+    def _logits(self, cfg, x_BxTxD: jax.Array) -> jax.Array:
+        return dense(x_BxTxD, self.router[...].astype(cfg.compute_dtype))
+
+    def __call__(self, cfg, x_BxTxD, lora_keys=None):
+        """The block's output [B, T, D] in the compute dtype (`lora_keys` unused: ModelConfig
+        refuses adapters on an MoE model)."""
+        dt = cfg.compute_dtype
+        x_BxTxD = matmul_input(x_BxTxD, cfg.activation_fp8)  # rounded once, for every matmul
+        weights, experts = route(cfg, self._logits(cfg, x_BxTxD))
+        c_BxTxE = combine_matrix(weights, experts, cfg.num_experts)
+        g = jnp.einsum("btd,edf->btef", x_BxTxD, self.expert_gate[...].astype(dt))
+        u = jnp.einsum("btd,edf->btef", x_BxTxD, self.expert_up[...].astype(dt))
+        h_BxTxExF = matmul_input(jax.nn.silu(g) * u, cfg.activation_fp8)
+        # combine before the down projection: one contraction over (E, F)
+        return dense(h_BxTxExF * c_BxTxE[..., None], self.expert_down[...].astype(dt), 2)
+
+
+def load_balancing_loss(
+    logits_LxNxE: jax.Array, top_k: int, mask_N: jax.Array | None = None
+) -> jax.Array:
+    """transformers' `load_balancing_loss_func`: E * sum_e f_e P_e over the sparse layers'
+    router logits (L layers, N tokens each), float32. f_e: the share of (layer, token) rows
+    whose top-k holds expert e (a row counts once per expert it picks, so sum_e f_e = top_k);
+    P_e: the mean softmax probability of expert e; both averaged over every layer's tokens
+    together, tokens weighted by `mask_N` (1: a real token; None: all). A uniform router
+    gives top_k."""
+    e = logits_LxNxE.shape[-1]
+    probs = jax.nn.softmax(logits_LxNxE.astype(jnp.float32), axis=-1)
+    _, experts = jax.lax.top_k(probs, top_k)
+    picked_LxNxE = jax.nn.one_hot(experts, e, dtype=jnp.float32).sum(-2)
+    w_N = jnp.ones(probs.shape[1], jnp.float32) if mask_N is None else mask_N.astype(jnp.float32)
+    rows = probs.shape[0] * w_N.sum()
+    f_E = jnp.einsum("lne,n->e", picked_LxNxE, w_N) / rows
+    p_E = jnp.einsum("lne,n->e", probs, w_N) / rows
+    return e * jnp.sum(f_E * p_E)
