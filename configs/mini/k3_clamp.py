@@ -11,6 +11,12 @@ stability_map.condition) and the objectives p3o, p3o_k3_tangent; seeds 0-4, the 
     .venv/bin/python experiments/reproduce.py --experiments k3_clamp --seeds 0 1 2 3 4 --jobs 2
     .venv/bin/python experiments/k3_clamp.py runs/mini/k3_clamp/t2.0_p3o/0  # clamp shares
 
+one arm by hand, after its seed's warm start:
+
+    .venv/bin/python -m ess_jax.main --config=configs/mini/k3_clamp.py:t2.0_p3o_k3_tangent \\
+        --config.seed=0 --config.model.source=runs/mini/warm/policy/seed0/hf \\
+        --workdir=runs/mini/k3_clamp/t2.0_p3o_k3_tangent/0
+
 Declared before any run of this file. The p3o arms rerun the map's committed cells
 (results/stability_map/) with the clamp's shares in every metrics row (`lr_beyond_clamp_low`,
 `lr_beyond_clamp_high`), which the committed rows predate. Reading, per condition, over the
