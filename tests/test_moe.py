@@ -316,3 +316,52 @@ def test_mesh_expert_axis():
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
         assert "expert" not in jax.tree.leaves(tuple(b.spec))
         assert len(a.spec) == len(b.spec)
+
+
+def test_planner_counts_every_local_expert_in_the_feed_forward_activations():
+    """The memory planner's feed-forward width of an MoE model is the dense expert path's:
+    the experts on a device times their width ([B, T, E, F] activations), not the dense
+    intermediate_size. Catches: a planner that sizes Qwen3-30B-A3B's 48 sparse layers by
+    intermediate_size (16x under: it would say a run fits that does not), or one that ignores
+    the expert split over the `expert` mesh axis."""
+    from ess_jax.memory import planner, terms
+
+    cfg = weights.config_from_hf(KNOWN_MODELS["Qwen3-30B-A3B"])
+    one = planner.abstract_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1})
+    four = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 4})
+    assert terms.ffn_width(cfg, one) == 128 * 768
+    assert terms.ffn_width(cfg, four) == 32 * 768
+    dense = cfg.replace(num_experts=0, num_experts_per_tok=0)
+    assert terms.ffn_width(dense, one) == cfg.intermediate_size
+    acts = terms.train_terms(cfg, one, 1, 1024)["activations"]
+    assert acts > 4 * terms.train_terms(dense, one, 1, 1024)["activations"]
+
+
+@pytest.mark.parametrize(
+    "lora_rank, mesh, experts, message",
+    [
+        (8, {"fsdp": -1}, 8, "model.lora.rank"),
+        (0, {"fsdp": -1, "expert": 2}, 0, "dense model"),
+        (0, {"fsdp": -1, "expert": 8}, 12, "do not divide"),
+    ],
+)
+def test_run_checks_refuse_lora_on_experts_and_an_expert_axis_without_them(
+    lora_rank, mesh, experts, message, tmp_path
+):
+    """experiment.validate reads the checkpoint's config.json before any weight loads: LoRA
+    on an MoE model, and `mesh.expert` > 1 on a dense model or one whose experts it does not
+    divide, are one-line config errors. Catches: the LoRA refusal raised only after the whole
+    checkpoint has loaded (as a traceback), and expert ranks that silently repeat the same
+    work."""
+    from ess_jax.config.defaults import base_config
+    from ess_jax.config.schema import ConfigError
+    from ess_jax.rl import experiment
+
+    hf = dict(KNOWN_MODELS["Qwen3-30B-A3B"], num_experts=experts)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    c = base_config()
+    c.model.source = str(tmp_path)
+    c.model.lora.rank = lora_rank
+    c.mesh = dict(c.mesh, **mesh)
+    with pytest.raises(ConfigError, match=message):
+        experiment.validate(c)

@@ -19,8 +19,8 @@ one arm by hand, after its seed's warm start:
 
 Declared before any run of this file. The p3o arms rerun the map's committed cells
 (results/stability_map/) with the clamp's shares in every metrics row (`lr_beyond_clamp_low`,
-`lr_beyond_clamp_high`), which the committed rows predate. Reading, per condition, over the
-5 seeds (exploratory: no Holm family is declared here):
+`lr_beyond_clamp_high`), which the rows in results/stability_map/ lack. Reading, per
+condition, over the 5 seeds (exploratory: no Holm family is declared here):
   the clamp's sign   if p3o_k3_tangent has fewer sustained collapses than p3o in a condition
                      and the p3o runs' share beyond -10 is above 0 in the 10 steps before
                      their dip (experiments/k3_clamp.py's `before` phase);

@@ -186,6 +186,18 @@ def _rows(n: int, mesh) -> float:
     return n / k if n % k == 0 else float(n)
 
 
+def ffn_width(cfg, mesh) -> int:
+    """Per-device feed-forward activations per token of the widest block: a dense MLP's
+    intermediate_size (split over "tensor"), or on a mixture-of-experts model (model/moe.py's
+    dense expert path: every expert on every token, [B, T, E, F] activations) its experts on
+    this device times their width (E over "expert", F over "tensor"), whichever is larger."""
+    dense = _div(cfg.intermediate_size, mesh, "tensor")
+    if not any(cfg.is_sparse(i) for i in range(cfg.num_layers)):
+        return dense
+    experts = _div(cfg.num_experts, mesh, "expert") if "expert" in mesh.shape else cfg.num_experts
+    return max(dense, experts * _div(cfg.moe_intermediate_size, mesh, "tensor"))
+
+
 def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
     """Bytes of each transient of one train step on a micro-batch of `rows` sequences of
     `seq_len` tokens (activations, gradients and update temporaries), per device.
@@ -196,7 +208,7 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     s = seq_len if scored_len is None else scored_len
     b = np.dtype(cfg.compute_dtype).itemsize
     n_layers, d = cfg.num_layers, cfg.hidden_size
-    f = _div(cfg.intermediate_size, mesh, "tensor")
+    f = ffn_width(cfg, mesh)
     h = _div(cfg.num_heads, mesh, "tensor")
     v = _div(cfg.vocab_size, mesh, "tensor")
     c = cfg.logits_chunk if 0 < cfg.logits_chunk < t else 0  # attention's query chunks

@@ -23,7 +23,10 @@ activation: the path for CPU tests and small models. The weights of all experts 
 expert axis first ([E, D, F] and [E, F, D], logical axis "expert"), the layout grouped-matmul
 kernels read. The combine matrix multiplies the SwiGLU activation before the down projection,
 so the down projection and the sum over experts are one contraction over (E, F) and no
-[B, T, E, D] tensor exists.
+[B, T, E, D] tensor exists. transformers weighs each expert's output after its down projection
+instead: the same function, with other rounding points in bfloat16 (and, with fp8 activations,
+a scale per token where transformers' would be per token and expert); the parity tests compare
+float32 logits.
 
 `load_balancing_loss` is transformers' `load_balancing_loss_func` (the Switch Transformer's
 auxiliary loss) on the router logits of the sparse layers.

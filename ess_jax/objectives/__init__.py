@@ -2,7 +2,7 @@
 one record per objective (registry.py), and how the three ESS scopes combine micro-batches
 (scopes.py). Nothing here takes a gradient: the RL update does (ess_jax/rl/update.py).
 
-Inside the package imports flow kl -> config -> core -> losses -> registry, and core -> scopes.
+Inside the package imports flow config, kl -> core -> losses -> registry, and core -> scopes.
 """
 
 from ess_jax.objectives.config import (

@@ -28,6 +28,7 @@ class ObjectiveConfig(ObjectiveFields):
     a value outside its domain, or a band whose edges cross, is a ValueError naming it."""
 
     def __post_init__(self):
+        refuse_outside(self)  # each knob in its domain first: the rules below compare them
         if not 0.0 <= self.is_cap_low < self.is_cap:
             raise ValueError(
                 f"need 0 <= is_cap_low < is_cap, got is_cap_low={self.is_cap_low}, "
@@ -37,7 +38,6 @@ class ObjectiveConfig(ObjectiveFields):
             low, high = getattr(self, f"{band}_low"), getattr(self, f"{band}_high")
             if not 0.0 <= low < high:
                 raise ValueError(f"need 0 <= {band}_low < {band}_high, got {low}, {high}")
-        refuse_outside(self)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ObjectiveConfig))

@@ -6,6 +6,7 @@ with a message naming the field, not after minutes of XLA compilation.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -90,6 +91,7 @@ def validate(config) -> None:
     if r.external_fraction > 0:
         _check_checkpoint("rollout.external_checkpoint", r.external_checkpoint)
     _check_checkpoint("model.source", config.model.source)
+    _check_experts(config)
     actor_learner.check(config)  # one process, a device split that leaves both sides some
     sizes = _mesh_sizes(config)
     data_ranks = sizes["data"] * sizes["fsdp"]
@@ -105,6 +107,32 @@ def validate(config) -> None:
         fail("sft.batch_size", f"not divisible by {data_ranks} data ranks")
     if config.eval.every and (config.eval.batch_size * config.eval.k) % data_ranks:
         fail("eval.batch_size", f"eval batch x eval.k not divisible by {data_ranks} data ranks")
+
+
+def num_experts(source: str) -> int:
+    """The experts per sparse layer of the checkpoint `source` (its config.json's num_experts,
+    or num_local_experts as transformers also writes it); 0 for a dense or embedded model."""
+    path = os.path.join(str(source), "config.json")
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        hf = json.load(f)
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def _check_experts(config) -> None:
+    """A mixture-of-experts source takes no LoRA adapters; mesh.expert shards experts, so it
+    needs an MoE model whose expert count it divides. Checked before any weight is loaded."""
+    experts = num_experts(config.model.source)
+    if experts and int(config.model.lora.rank):
+        fail("model.lora.rank", f"LoRA adapters on a mixture-of-experts model ({experts} "
+             "experts per sparse layer) are not supported; use rank 0")  # fmt: skip
+    n = int(config.mesh.get("expert", 1))
+    if n > 1 and not experts:
+        fail("mesh.expert", f"{n} expert ranks, but {config.model.source!r} is a dense model "
+             "(no experts to shard); use 1")  # fmt: skip
+    if n > 1 and experts % n:
+        fail("mesh.expert", f"{n} expert ranks do not divide the model's {experts} experts")
 
 
 def _check_checkpoint(field: str, source: str) -> None:
