@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.common import Sizes, left_padded_prompts, median, time_round_robin
+from ess_jax.data import bucket_width
 from ess_jax.sampling import decode as decode_lib
 from ess_jax.sampling import sampler
 
@@ -41,7 +42,7 @@ def runner_static(n: int, mode: str) -> decode_lib.Static:
 def jax_runner(cfg, params, prompts, mask, n: int, mode: str):
     """A call that prefills and decodes `n` tokens; returns {"prefill": s, "decode": s}."""
     b, p = prompts.shape
-    pb = sampler.bucket_length(p)
+    pb = bucket_width(p)  # the prompt bucket a PromptBatcher would pad to
     toks = jnp.pad(jnp.asarray(prompts), ((0, 0), (pb - p, 0)))
     msk = jnp.pad(jnp.asarray(mask), ((0, 0), (pb - p, 0)))
     prefill, decode = sampler.programs(cfg, runner_static(n, mode), None)

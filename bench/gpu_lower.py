@@ -65,6 +65,7 @@ def programs(s):
     from bench.common import one_device_mesh
     from bench.decode import runner_static
     from bench.train import OPTIM, make_optimizer
+    from ess_jax.data import bucket_width
     from ess_jax.model import decoder as model_lib
     from ess_jax.model import kv_cache
     from ess_jax.objectives import ObjectiveConfig
@@ -105,7 +106,7 @@ def programs(s):
 
     # the sampler as bench_decode.jax_runner calls it: bfloat16 copy, bucketed prompts
     sample_params = jax.eval_shape(precision.prepare_fn("bfloat16"), params)
-    b, p = s.decode_batches[0], sampler.bucket_length(s.prompt)
+    b, p = s.decode_batches[0], bucket_width(s.prompt)
     st = runner_static(s.gen, "sampled")  # bench_gpu decodes "sampled"
     prompts = (jax.ShapeDtypeStruct((b, p), jnp.int32), jax.ShapeDtypeStruct((b, p), jnp.bool_))
     one, key = jnp.float32(1.0), jax.random.key(0)

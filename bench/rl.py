@@ -89,7 +89,7 @@ def bench_rl(cfg, params, mesh, s: Sizes) -> dict:
     }
     rcfg = defaults.base_config().rollout
     rcfg.group_size, rcfg.max_new_tokens, rcfg.stop_ids = s.rl_group, s.rl_gen, ()
-    src = rollout_lib.PolicySource(cfg, params, 0)
+    engine = rollout_lib.policy_engine(cfg, rcfg)
 
     tx = make_optimizer(OPTIM)
     state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
@@ -107,7 +107,11 @@ def bench_rl(cfg, params, mesh, s: Sizes) -> dict:
         nonlocal state
         watch.total = 0.0
         t0 = time.perf_counter()
-        rollout, _ = rollout_lib.collect(src, batch_in, tokenizer, reward, rcfg, jax.random.key(r))
+        engine.update_params(0, params)
+        rollout, _ = rollout_lib.collect(
+            engine, batch_in, tokenizer, reward, rcfg, jax.random.key(r)
+        )
+        engine.release()
         batch = sharding_lib.shard_batch(update_lib.rollout_to_batch(rollout), mesh)
         batch = jax.block_until_ready(batch)
         shared = {"sampling": time.perf_counter() - t0 - watch.total, "reward": watch.total}

@@ -198,7 +198,7 @@ def test_a_resumed_paced_run_keeps_its_lag_budget(tmp_path, monkeypatch):
     sampler_init = actor_learner.Sampler.__init__
 
     def spy(self, *args, **kwargs):  # the budget the resumed run's sampler starts drawing with
-        seen.setdefault("sampler_budget", args[7] if len(args) > 7 else kwargs["budget"])
+        seen.setdefault("sampler_budget", kwargs["budget"])
         sampler_init(self, *args, **kwargs)
 
     monkeypatch.setattr(actor_learner.Sampler, "__init__", spy)

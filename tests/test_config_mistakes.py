@@ -20,9 +20,10 @@ from ess_jax.config import names
 from ess_jax.config import schema as config_checks
 from ess_jax.config.defaults import base_config
 from ess_jax.config.schema import ConfigError
-from ess_jax.data import char_tokenizer
+from ess_jax.data import RowLayout, char_tokenizer
 from ess_jax.rl import advantages, health
 from ess_jax.rl import rollout as rollout_lib
+from ess_jax.sampling.engine import Generation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -273,27 +274,29 @@ def test_constant_rewards_warn_after_n_steps_in_a_row():
     assert emptied[-1] and not any(emptied[:-1])
 
 
-def test_rollout_metrics_feed_the_constant_reward_warning(monkeypatch):
+def test_rollout_metrics_feed_the_constant_reward_warning():
     """Catches the rollout's `frac_groups_constant` computed per row or over the batch instead of
     per group, or renamed so the watcher never sees it: two prompts of 2 samples, one group
     constant -> 0.5; both constant -> 1.0 and, CONSTANT_STEPS steps in a row, the warning."""
     tok = char_tokenizer()
     texts = []
 
-    def fake_draw(src, prompts, pmask, sampling, rng, precision, calls, **_):
-        b, t = len(prompts) * sampling.num_samples, 2
-        tokens = np.array([tok.encode(x, add_special_tokens=False)[:1] * t for x in texts])
-        assert tokens.shape == (b, t)
-        fields = {
-            "tokens": tokens,
-            "response_mask": np.ones((b, t), bool),
-            "behaviour_logp": np.zeros((b, t), np.float32),
-            "sequences": np.concatenate([np.repeat(prompts, sampling.num_samples, 0), tokens], 1),
-            "sequence_mask": np.ones((b, prompts.shape[1] + t), bool),
-        }
-        return fields, np.zeros((b,), np.int32)
+    class FixedTexts:  # a rollout engine answering with `texts`, one token repeated
+        def generate(self, prompts, pmask, sampling, rng):
+            layout = RowLayout(len(prompts), sampling.num_samples)
+            b, t = layout.num_rows, 2
+            tokens = np.array([tok.encode(x, add_special_tokens=False)[:1] * t for x in texts])
+            assert tokens.shape == (b, t)
+            return Generation(
+                tokens=tokens,
+                response_mask=np.ones((b, t), bool),
+                behaviour_logp=np.zeros((b, t), np.float32),
+                sequences=np.concatenate([layout.repeat(prompts), tokens], 1),
+                sequence_mask=np.concatenate([layout.repeat(pmask), np.ones((b, t), bool)], 1),
+                version=np.zeros((b,), np.int32),
+                layout=layout,
+            )
 
-    monkeypatch.setattr(rollout_lib, "draw", fake_draw)
     rcfg = base_config().rollout
     rcfg.group_size, rcfg.max_new_tokens = 2, 2
     batch = {
@@ -305,7 +308,7 @@ def test_rollout_metrics_feed_the_constant_reward_warning(monkeypatch):
 
     def collect(samples):
         texts[:] = samples
-        _, m = rollout_lib.collect(None, batch, tok, reward, rcfg, jax.random.key(0))
+        _, m = rollout_lib.collect(FixedTexts(), batch, tok, reward, rcfg, jax.random.key(0))
         return m
 
     assert collect(["1", "2", "1", "1"])["frac_groups_constant"] == 0.5

@@ -183,9 +183,11 @@ def test_groups_of_a_narrower_bucket_keep_their_exact_behaviour_logp():
         )
     )  # fmt: skip
     tok = char_tokenizer()
-    src = rollout.PolicySource(CFG, params, 0)
+    engine = rollout.policy_engine(CFG, rcfg)
+    engine.update_params(0, params)
     reward = first_of_group_reward({"b", "c", "d"})
-    out, metrics = dynamic_sampling.collect_batch(src, stream, tok, reward, rcfg, jax.random.key(0))
+    key = jax.random.key(0)
+    out, metrics = dynamic_sampling.collect_batch(engine, stream, tok, reward, rcfg, key)
     assert out.prompt_len == 10 and out.tokens.shape == (8, 15)
     assert metrics["ds_rounds"] == 2 and metrics["ds_groups_masked"] == 0
     # slot 1 is round 0's group (7-token prompts): 3 pad columns in front, never attended

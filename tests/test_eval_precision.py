@@ -15,8 +15,9 @@ from ess_jax.config import schema as config_checks
 from ess_jax.config.schema import ConfigError
 from ess_jax.memory import planner as memory
 from ess_jax.model import lora
-from ess_jax.rl import experiment, heldout, lora_policy, rollout, train
+from ess_jax.rl import experiment, heldout, lora_policy, train
 from ess_jax.sampling import sampler
+from ess_jax.sampling.engine import JaxEngine
 
 ONE = {"data": 1, "fsdp": 1, "tensor": 1}
 
@@ -41,32 +42,39 @@ def lora_run(tmp_path_factory):
 
 
 def _spy(monkeypatch):
-    """Records (precision, prepared, the dtypes of the params) of every sampler call."""
-    calls, real = [], sampler.sample
+    """Records (precision, the dtypes of the matrices) of every sampler call's copy, and counts
+    the sampler's own prepares (sampler.prepare)."""
+    calls, prepares = [], []
+    real, real_prepare = sampler.sample_prepared, sampler.prepare
 
-    def spy(cfg, params, *args, **kwargs):
-        dtypes = {x.dtype for x in jax.tree.leaves(params) if x.ndim == 2}
-        calls.append((kwargs.get("precision"), kwargs.get("prepared"), dtypes))
-        return real(cfg, params, *args, **kwargs)
+    def spy(sp, *args, **kwargs):
+        calls.append((sp.precision, {x.dtype for x in jax.tree.leaves(sp.params) if x.ndim == 2}))
+        return real(sp, *args, **kwargs)
 
-    monkeypatch.setattr(sampler, "sample", spy)
-    return calls
+    def prepare(*args, **kwargs):
+        prepares.append(1)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(sampler, "sample_prepared", spy)
+    monkeypatch.setattr(sampler, "prepare", prepare)
+    return calls, prepares
 
 
 def test_float32_eval_rows_are_those_of_a_config_without_the_field(lora_run):
     """Catches eval.precision="float32" changing the eval numbers: Run.evaluate's row must be
     bit for bit heldout.evaluate's with an eval section that has no precision field, drawn
-    from the float32 merge handed to the sampler unprepared (the path before the field)."""
+    from the float32 merge by a plain float32 engine (the path before the field)."""
     run = lora_run
     run.config.eval.precision = "float32"
     got = run.evaluate(1)
     ecfg = ml_collections.ConfigDict({k: v for k, v in run.config.eval.items() if k != "precision"})
     full = lora_policy.merged(run.model_cfg, run.state.frozen, run.state.params)
-    src = rollout.PolicySource(lora.base_config(run.model_cfg), full, 1)
+    engine = JaxEngine(lora.base_config(run.model_cfg))
+    engine.update_params(1, full)
     rng = jax.random.fold_in(jax.random.fold_in(run.rng, 2), 1)
     buckets = tuple(run.config.data.buckets)
     ref = heldout.evaluate(
-        src, run.test_examples, run.tokenizer, run.reward_fn, ecfg, run.stop_ids, rng, buckets
+        engine, run.test_examples, run.tokenizer, run.reward_fn, ecfg, run.stop_ids, rng, buckets
     )
     assert got == ref
     assert 0.0 <= got["eval/pass@1"] <= 1.0 and got["eval/response_len"] > 0
@@ -74,33 +82,37 @@ def test_float32_eval_rows_are_those_of_a_config_without_the_field(lora_run):
 
 def test_lora_eval_in_bfloat16_samples_the_merged_bfloat16_copy(lora_run, monkeypatch):
     """Catches eval.precision ignored with LoRA (the sampler fed the float32 merge, or a
-    bfloat16 copy prepared a second time): every eval sampler call gets bfloat16 matrices
-    marked prepared, in precision bfloat16, and pass@1 is a number in [0, 1]."""
+    bfloat16 copy prepared a second time): every eval sampler call gets the merge's bfloat16
+    copy, in precision bfloat16, the sampler's own prepare never runs, and pass@1 is a number
+    in [0, 1]."""
     run = lora_run
-    calls = _spy(monkeypatch)
+    calls, prepares = _spy(monkeypatch)
     run.config.eval.precision = "bfloat16"
     try:
         row = run.evaluate(1)
     finally:
         run.config.eval.precision = "float32"
-    assert calls and all(c == ("bfloat16", True, {jnp.dtype(jnp.bfloat16)}) for c in calls)
+    assert calls and all(c == ("bfloat16", {jnp.dtype(jnp.bfloat16)}) for c in calls)
+    assert not prepares
     assert 0.0 <= row["eval/pass@1"] <= 1.0
     assert 0 < row["eval/response_len"] <= run.config.eval.max_new_tokens
 
 
 def test_full_fine_tuning_eval_in_bfloat16_lets_the_sampler_prepare(tmp_path, monkeypatch):
-    """Catches eval.precision ignored without LoRA: the float32 params go to the sampler
-    unprepared with precision bfloat16 (the sampler's own prepare, as in a rollout)."""
+    """Catches eval.precision ignored without LoRA: the float32 params are prepared once by
+    the sampler's own prepare (as in a rollout), and every eval sampler call gets that bfloat16
+    copy in precision bfloat16."""
     c = _eval_config(0)
     c.eval.precision = "bfloat16"
     run = train.Run(c, str(tmp_path))
     try:
         run.reward_fn = coin_reward
-        calls = _spy(monkeypatch)
+        calls, prepares = _spy(monkeypatch)
         row = run.evaluate(0)
     finally:
         run.close()
-    assert calls and all(c == ("bfloat16", False, {jnp.dtype(jnp.float32)}) for c in calls)
+    assert calls and all(c == ("bfloat16", {jnp.dtype(jnp.bfloat16)}) for c in calls)
+    assert len(prepares) == 1
     assert 0.0 <= row["eval/pass@1"] <= 1.0
 
 
@@ -145,13 +157,13 @@ def test_eval_kv_cache_precision_reaches_the_sampler_apart_from_the_rollouts(lor
     eval reading rollout.kv_cache_precision instead: with eval's set to bfloat16 and the
     rollout's to fp8, every eval sampler call gets kv_cache bfloat16."""
     run = lora_run
-    seen, real = [], sampler.sample
+    seen, real = [], sampler.sample_prepared
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("kv_cache"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(sampler, "sample", spy)
+    monkeypatch.setattr(sampler, "sample_prepared", spy)
     run.config.eval.kv_cache_precision = "bfloat16"
     run.config.rollout.kv_cache_precision = "fp8"
     try:

@@ -9,7 +9,8 @@ import ml_collections
 import pytest
 from test_train import tiny_config
 
-from ess_jax.rl import experiment, heldout, rollout
+from ess_jax.rl import experiment, heldout
+from ess_jax.sampling.engine import JaxEngine
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +18,9 @@ def policy_and_examples():
     c = tiny_config()
     cfg, params, tokenizer = experiment.load_policy(c.model)
     _, held_out = experiment.load_examples(c.task)
-    return rollout.PolicySource(cfg, params, 0), held_out, tokenizer
+    engine = JaxEngine(cfg)
+    engine.update_params(0, params)
+    return engine, held_out, tokenizer
 
 
 @pytest.mark.parametrize("num_examples,batch_size", [(5, 4), (3, 4), (8, 4)])

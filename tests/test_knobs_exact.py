@@ -33,7 +33,7 @@ from test_train import tiny_config
 from ess_jax.io import weights
 from ess_jax.model import decoder as model
 from ess_jax.model import kv_cache
-from ess_jax.rl import train
+from ess_jax.rl import rollout, train
 
 _apply = jax.jit(model.apply, static_argnums=0)
 _forward = jax.jit(model.forward, static_argnums=0)
@@ -43,23 +43,22 @@ _COMPUTE = {"float16": ("float16", False), "fp8_act": ("bfloat16", True)}
 
 
 def _decode_logits(cfg, params, tokens, attn_mask, prompt_len, resp_len, kv="compute"):
-    """Teacher-forced logits [B, T, V] through the KV cache, prompt left-padded to the
-    sampler's bucket (the next power of two, at least 16)."""
+    """Teacher-forced logits [B, T, V] through the KV cache, the prompt at the width the
+    sampler drew it at (the batcher's bucket: the sampler pads no further)."""
     b = tokens.shape[0]
-    bucket = max(16, 1 << (prompt_len - 1).bit_length())
-    pad = ((0, 0), (bucket - prompt_len, 0))
-    prompt, pmask = np.pad(tokens[:, :prompt_len], pad), np.pad(attn_mask[:, :prompt_len], pad)
+    prompt, pmask = tokens[:, :prompt_len], attn_mask[:, :prompt_len]
     kv_mask = np.concatenate([pmask, np.ones((b, resp_len), bool)], 1)
     pos = np.asarray(model.positions_from_mask(pmask))[:, -1] + 1
     fp8, dtype = kv == "fp8", None if kv in ("compute", "fp8") else kv
-    cache = kv_cache.init_cache(cfg, b, bucket + resp_len, dtype, fp8=fp8)
+    cache = kv_cache.init_cache(cfg, b, prompt_len + resp_len, dtype, fp8=fp8)
     logits, cache = _forward(
         cfg, params, prompt, model.positions_from_mask(pmask), kv_mask, cache, 0
     )
     out = [np.asarray(logits[:, -1], np.float64)]
     for t in range(resp_len - 1):
         tok = tokens[:, prompt_len + t : prompt_len + t + 1]
-        logits, cache = _forward(cfg, params, tok, (pos + t)[:, None], kv_mask, cache, bucket + t)
+        at = prompt_len + t  # the cache position of the token
+        logits, cache = _forward(cfg, params, tok, (pos + t)[:, None], kv_mask, cache, at)
         out.append(np.asarray(logits[:, 0], np.float64))
     return np.stack(out, 1)
 
@@ -118,6 +117,10 @@ def _step_with_knobs(knob_run, monkeypatch, **knobs):
     for key, value in {**defaults, **knobs}.items():
         rcfg[key] = value
     monkeypatch.setattr(run, "rollout_cfg", rcfg)
+    # the engines' formats (precision, KV cache) are fixed when they are built: build them anew
+    monkeypatch.setattr(run, "engine", rollout.policy_engine(run.model_cfg, rcfg))
+    ext = rollout.external_engine(run.external.cfg, run.external.params, rcfg)
+    monkeypatch.setattr(run, "external", ext)
     rollouts = _record_rollouts(monkeypatch)
     params = jax.device_get(run.state.params)
     step = knob_run["step"]

@@ -5,22 +5,25 @@ import json
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from conftest import tiny_model_cfg
 from test_train import coin_reward, tiny_config
 
 from configs import quickstart
+from ess_jax.data import char_tokenizer
 from ess_jax.io import peft_adapter, weights
 from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.memory import planner as memory
 from ess_jax.model import decoder as model
 from ess_jax.model import lora
 from ess_jax.parallel import sharding
-from ess_jax.rl import heldout, lora_policy, rollout, train
+from ess_jax.rl import heldout, lora_policy, train
 from ess_jax.rl.metrics import read_metrics
 from ess_jax.sampling import precision as precision_lib
 from ess_jax.sampling import sampler
+from ess_jax.sampling.engine import JaxEngine
 
 RANK, ALPHA = 4, 8.0
 _logits = jax.jit(model.apply, static_argnums=0)  # one compile per config, no eager NNX
@@ -160,9 +163,11 @@ def test_memory_plan_holds_one_merged_sampler_copy_in_the_sampler_format(precisi
 # ----------------------------------------------------------------------------- the sampler's copy
 
 
-def _two_program_source(cfg, frozen, adapters):
+def _two_program_engine(cfg, frozen, adapters, precision):
     """The reference: the float32 merge, prepared by the sampler itself (precision.prepare_fn)."""
-    return rollout.PolicySource(lora.base_config(cfg), lora_policy.merged(cfg, frozen, adapters), 0)
+    engine = JaxEngine(lora.base_config(cfg), precision=precision)
+    engine.update_params(0, lora_policy.merged(cfg, frozen, adapters))
+    return engine
 
 
 @pytest.mark.parametrize(
@@ -184,39 +189,46 @@ def test_merge_into_the_sampler_format_draws_the_same_tokens_and_logps(
     mask = np.ones_like(prompts, bool)
     sc = sampler.SamplingConfig(temperature=1.0, max_new_tokens=4, num_samples=2, stop_ids=())
     key = jax.random.key(3)
-    ref_src = _two_program_source(cfg, frozen, adapters)
-    want, _ = rollout.draw(ref_src, prompts, mask, sc, key, precision, 1)
-    ref_copy = ref_src.params
-    if precision != "float32":
-        ref_copy = precision_lib.prepare_fn(precision)(ref_copy)
+    ref = _two_program_engine(cfg, frozen, adapters, precision)
+    want = ref.generate(prompts, mask, sc, key)
+    ref_copy = ref.sampler_params()
 
-    src = lora_policy.source(cfg, frozen, adapters, 0, precision)
-    assert src.prepared == precision
+    fused = lora_policy.engine(cfg, precision)
+    fused.update_params(0, lora.join(frozen, adapters))
+    src = fused.sampler_params()
+    assert src.precision == precision and src.cfg == ref_copy.cfg
     jax.tree.map(
-        np.testing.assert_array_equal, jax.device_get(src.params), jax.device_get(ref_copy)
+        np.testing.assert_array_equal, jax.device_get(src.params), jax.device_get(ref_copy.params)
     )
     monkeypatch.setattr(precision_lib, "prepare_fn", lambda p: pytest.fail(f"prepared {p} again"))
-    got, _ = rollout.draw(src, prompts, mask, sc, key, precision, 1)
+    got = fused.generate(prompts, mask, sc, key)
     for field in ("tokens", "response_mask", "behaviour_logp"):
-        np.testing.assert_array_equal(got[field], want[field], err_msg=field)
-    kw = dict(precision=precision, prepared=True)
-    got_raw = sampler.sample(src.cfg, src.params, prompts, mask, sc, key, **kw).raw_logp
-    want_raw = sampler.sample(ref_src.cfg, ref_copy, prompts, mask, sc, key, **kw).raw_logp
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+    got_raw = sampler.sample_prepared(src, prompts, mask, sc, key).raw_logp
+    want_raw = sampler.sample_prepared(ref_copy, prompts, mask, sc, key).raw_logp
     np.testing.assert_array_equal(got_raw, want_raw)
 
 
 def test_a_copy_prepared_for_another_precision_is_refused(tiny):
-    """Catches a caller that merges for one precision and samples in another (e.g. a call of
-    lora_policy.source without config.rollout.precision, or eval with eval.precision float32
-    drawing from the bfloat16 copy): the draw and eval fail with a message naming both."""
+    """Catches an engine whose copy is in another format than the one it samples in (e.g. a
+    LoRA merge for rollout.precision bfloat16 drawn by eval's float32 engine): the draw and
+    eval fail with a message naming both."""
     cfg, params, adapters, _ = tiny
-    src = lora_policy.source(cfg, params, adapters, 0, "bfloat16")
+
+    def bfloat16_merge(full, precision):
+        return lora_policy.sampler_params(cfg, full, "bfloat16")
+
+    src = JaxEngine(cfg, precision="float32", prepare=bfloat16_merge)
+    src.update_params(0, lora.join(params, adapters))
     prompts, mask = np.ones((2, 4), np.int32), np.ones((2, 4), bool)
     with pytest.raises(ValueError, match="prepared in bfloat16, not float32"):
-        rollout.draw(src, prompts, mask, sampler.SamplingConfig(), jax.random.key(0), "float32", 1)
-    ecfg = {"precision": "float32"}
+        src.generate(prompts, mask, sampler.SamplingConfig(), jax.random.key(0))
+    ecfg = ml_collections.ConfigDict(
+        dict(num_examples=0, batch_size=1, k=1, temperature=1.0, max_new_tokens=1)
+    )
+    tok, key = char_tokenizer(), jax.random.key(0)
     with pytest.raises(ValueError, match="prepared in bfloat16, not float32"):
-        heldout.evaluate(src, [{}], None, None, ecfg, (), jax.random.key(0))
+        heldout.evaluate(src, [{"prompt": "1+1="}], tok, None, ecfg, (), key)
 
 
 def test_sharded_merge_into_int4_matches_the_two_programs_and_their_layout():

@@ -27,6 +27,7 @@ from ess_jax.io import weights
 from ess_jax.model import lora
 from ess_jax.rl import experiment, rollout, steps, train, update
 from ess_jax.sampling import precision as precision_lib
+from ess_jax.sampling.engine import JaxEngine
 
 RANK, TEMP = 4, 1.3
 
@@ -80,7 +81,7 @@ def knob_run(tmp_path_factory):
     run.state = run.state.replace(params=jax.device_put(bumped, run.state_sh.params))
     rec = dict(run=run, external=external, frozen=jax.device_get(run.state.frozen))
     rec.update(rollouts=[], draws=[], updates=[], scored=[], versions=[bumped])
-    real_collect, real_draw = rollout.collect, rollout.draw
+    real_collect, real_generate = rollout.collect, JaxEngine.generate
     real_make, real_score = update.make_rl_step, steps.score_fn
 
     def collect(*args, **kwargs):
@@ -88,12 +89,13 @@ def knob_run(tmp_path_factory):
         rec["rollouts"].append(jax.device_get(out))
         return out, metrics
 
-    def draw(src, *args, **kwargs):
-        if src.version >= 0:  # the policy's copy, as the sampler gets it
-            rec["draws"].append((src.version, src.prepared, jax.device_get(src.params)))
-            if src.prepared != "float32":
+    def generate(engine, *args, **kwargs):
+        if engine.version >= 0:  # the policy's copy, as the sampler gets it
+            copy = engine.sampler_params()
+            rec["draws"].append((engine.version, copy.precision, jax.device_get(copy.params)))
+            if copy.precision != "float32":
                 raise _Probed  # the copy is what is checked: no sampler compile for it
-        return real_draw(src, *args, **kwargs)
+        return real_generate(engine, *args, **kwargs)
 
     def make_rl_step(*args, **kwargs):
         step_fn = real_make(*args, **kwargs)
@@ -122,7 +124,7 @@ def knob_run(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rollout, "collect", collect)
-        mp.setattr(rollout, "draw", draw)
+        mp.setattr(JaxEngine, "generate", generate)
         mp.setattr(update, "make_rl_step", make_rl_step)
         mp.setattr(steps, "score_fn", score_fn)
         run.history.push(0, run.state.params)
@@ -134,6 +136,7 @@ def knob_run(tmp_path_factory):
             rcfg = run.rollout_cfg.copy_and_resolve_references()
             rcfg.precision = precision
             mp.setattr(run, "rollout_cfg", rcfg)
+            mp.setattr(run, "engine", rollout.policy_engine(run.model_cfg, rcfg))
             with pytest.raises(_Probed):
                 run.rl_step(2)
     yield rec
@@ -170,7 +173,7 @@ def test_float32_knobs_record_the_lagged_merged_adapters_pi_b(knob_run, step):
 def test_low_precision_knobs_draw_from_the_merged_copy_in_that_format(knob_run, precision):
     """Catches rollout.precision dropped under LoRA (the float32 merge handed to the sampler)
     and a merged copy of the base alone or of the current instead of the lagged adapters: at
-    step 2 (lag 1: version 1) the copy the policy's draw gets is marked prepared in that
+    step 2 (lag 1: version 1) the copy the policy's draw gets is prepared in that
     format and holds, in 99% of its elements exactly, precision.prepare_fn of lora.merge of
     version 1's adapters (the plain model's copy, whose pi_b per format
     tests/test_knobs_exact.py pins; tests/test_lora.py draws from the fused copy bit for bit

@@ -39,16 +39,21 @@ def test_sampling_in_several_calls_keeps_groups_and_exact_behaviour_logp():
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, 48, (4, 7)).astype(np.int32)
     batch = {"prompt_tokens": prompts, "prompt_mask": np.ones((4, 7), bool), "examples": [{}] * 4}
-    src = rollout.PolicySource(CFG, params, 0)
     tok = char_tokenizer()
-    r, _ = rollout.collect(src, batch, tok, lambda t, ex: 0.0, _rcfg(2), jax.random.key(0))
+
+    def engine(calls):
+        e = rollout.policy_engine(CFG, _rcfg(calls))
+        e.update_params(0, params)
+        return e
+
+    r, _ = rollout.collect(engine(2), batch, tok, lambda t, ex: 0.0, _rcfg(2), jax.random.key(0))
     assert r.tokens.shape == (16, 12)
     np.testing.assert_array_equal(r.tokens[:, :7], np.repeat(prompts, 4, axis=0))
     logp = np.asarray(scoring.token_logprobs(CFG, params, r.tokens, r.attn_mask))[:, 7:]
     np.testing.assert_allclose(r.behaviour_logp, logp * r.loss_mask, atol=1e-5)
     assert np.abs(r.behaviour_logp).sum() > 0
     with pytest.raises(ValueError, match="sample_microbatches"):
-        rollout.collect(src, batch, tok, lambda t, ex: 0.0, _rcfg(3), jax.random.key(0))
+        rollout.collect(engine(3), batch, tok, lambda t, ex: 0.0, _rcfg(3), jax.random.key(0))
 
 
 def test_chunked_scoring_pass_equals_one_pass():

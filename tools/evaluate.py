@@ -206,8 +206,9 @@ def main(argv=None) -> int:
         user_exit(e)
     from ess_jax.config.defaults import base_config
     from ess_jax.parallel import sharding
-    from ess_jax.rl import experiment, rollout, saved_policy
+    from ess_jax.rl import experiment, saved_policy
     from ess_jax.sampling import sampler
+    from ess_jax.sampling.engine import JaxEngine
 
     sharding.maybe_initialize_distributed()
     try:
@@ -222,8 +223,9 @@ def main(argv=None) -> int:
     except UserError as e:
         user_exit(e)
     print(f"[evaluating {source}]", file=sys.stderr)
-    # the sample layout once, not per sampler call
-    policy = rollout.PolicySource(cfg, sampler.sample_layout(cfg, params, mesh), 0)
+    # the in-JAX sampler in float32, the params moved to the sample layout once
+    policy = JaxEngine(cfg)
+    policy.update_params(0, sampler.sample_layout(cfg, params, mesh))
     benchmarks = {
         n: load_benchmark(n, d, args.prompt_template, args.cache_dir) for n, d in data.items()
     }

@@ -59,7 +59,7 @@ def main(argv=None) -> None:
         user_exit(e)
     import jax
 
-    from ess_jax.data import encode_prompt
+    from ess_jax.data import bucket_width, encode_prompt
     from ess_jax.io import weights
     from ess_jax.rl import saved_policy
     from ess_jax.sampling import sampler
@@ -97,13 +97,16 @@ def main(argv=None) -> None:
         num_samples=args.num_samples,
         stop_ids=tuple(sorted(stop)),
     )
-    prompt = np.asarray([ids], np.int32)
+    width = bucket_width(len(ids)) or len(ids)  # left-padded to its bucket, as a batcher does
+    prompt = np.full((1, width), int(cfg.pad_token_id or 0), np.int32)
+    prompt[0, width - len(ids) :] = ids
+    mask = np.arange(width)[None] >= width - len(ids)
     t0 = time.perf_counter()
     out = sampler.sample(
         cfg,
         params,
         prompt,
-        np.ones_like(prompt, bool),
+        mask,
         sc,
         jax.random.key(args.seed),
         precision=args.precision,

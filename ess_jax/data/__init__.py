@@ -1,4 +1,5 @@
-"""Prompts for RL and SFT: synthetic tasks, local-file datasets, tokenizers, batching.
+"""Prompts for RL and SFT: synthetic tasks, local-file datasets, tokenizers, batching, and the
+row layout of a rollout batch (`RowLayout`).
 
 A leaf package: imports nothing else from ess_jax (and no jax).
 """
@@ -8,7 +9,7 @@ from ess_jax.data.batching import (
     PromptBatcher,
     PromptTooLongError,
     SFTBatcher,
-    repeat_for_group,
+    bucket_width,
     sft_batches,
 )
 from ess_jax.data.datasets import (
@@ -19,6 +20,7 @@ from ess_jax.data.datasets import (
     get_builder,
     load_dataset,
 )
+from ess_jax.data.layout import RowLayout, repeat_for_group
 from ess_jax.data.tasks import TASKS, AdditionTask, CountdownTask, SortTask, Task, get_task
 from ess_jax.data.tokenizer import (
     DEFAULT_ALPHABET,
@@ -43,10 +45,12 @@ __all__ = [
     "LocalDataset",
     "PromptBatcher",
     "PromptTooLongError",
+    "RowLayout",
     "SFTBatcher",
     "SortTask",
     "Task",
     "UnencodableError",
+    "bucket_width",
     "char_tokenizer",
     "decode_completion",
     "encode_completion",

@@ -16,8 +16,16 @@ from ess_jax.data.tokenizer import encode_completion, encode_prompt, encode_prom
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# Few distinct prompt lengths -> few jit recompilations of the sampler's prefill.
+# The prompt widths: the sampler compiles one prefill per width it is given and pads nothing
+# itself, so these few widths are its few programs (`bucket_width` for prompts that do not come
+# through a PromptBatcher).
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def bucket_width(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int | None:
+    """The width a prompt of `length` tokens is left-padded to: the smallest bucket >= length,
+    or None if none fits."""
+    return next((b for b in sorted(buckets) if b >= length), None)
 
 
 class _EpochOrder:
@@ -136,8 +144,8 @@ class PromptBatcher:
         return self
 
     def bucket_for(self, length: int) -> int | None:
-        """Smallest bucket >= length, or None if none fits."""
-        return next((b for b in self.buckets if b >= length), None)
+        """Smallest bucket >= length, or None if none fits (`bucket_width`)."""
+        return bucket_width(length, self.buckets)
 
     def __next__(self) -> dict[str, Any]:
         pos = self._order.next_indices()
@@ -171,22 +179,6 @@ class PromptBatcher:
         other = copy.copy(self)
         other._order = copy.deepcopy(self._order)
         return other
-
-
-def repeat_for_group(x: Any, G: int) -> Any:
-    """Repeats each row G times: rows i*G .. i*G+G-1 of the result are row i.
-
-    Works on numpy / jax arrays (axis 0), lists and tuples, and dicts of these.
-    """
-    if G < 1:
-        raise ValueError(f"group size must be >= 1, got {G}")
-    if isinstance(x, dict):
-        return {k: repeat_for_group(v, G) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(item for item in x for _ in range(G))
-    if hasattr(x, "repeat") and hasattr(x, "shape"):
-        return x.repeat(G, axis=0)
-    raise TypeError(f"cannot repeat rows of {type(x).__name__}")
 
 
 class SFTBatcher:

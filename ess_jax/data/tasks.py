@@ -32,7 +32,8 @@ def _split_of(task: str, canonical_key: str, test_fraction: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    """Base class: subclasses set `name` and implement `_draw(rng) -> (canonical_key, example)`."""
+    """Base class: subclasses set `name` and implement `_example(rng) -> (canonical_key,
+    example)`, one random example."""
 
     name: ClassVar[str] = ""
     seed: int = 0
@@ -49,7 +50,7 @@ class Task:
         """Name of the reward function (in ess_jax.rewards.REWARDS) that scores this task."""
         return self.name
 
-    def _draw(self, rng: np.random.Generator) -> tuple[str, dict] | None:
+    def _example(self, rng: np.random.Generator) -> tuple[str, dict] | None:
         """One random problem, or None to reject the draw (e.g. a target out of range)."""
         raise NotImplementedError
 
@@ -76,7 +77,7 @@ class Task:
         rarest = min(self.test_fraction, 1.0 - self.test_fraction)
         misses, patience = 0, int(200 / rarest)
         while len(out) < n and misses < patience + 20 * len(out):
-            drawn = self._draw(rng)
+            drawn = self._example(rng)
             if drawn is None or drawn[1]["prompt"] in seen:
                 misses += 1
                 continue
@@ -146,7 +147,7 @@ class AdditionTask(Task):
         # A worked answer is not an exact match: score its final number instead.
         return "gsm8k" if self.words else self.name
 
-    def _draw(self, rng):
+    def _example(self, rng):
         a, b = _random_int(rng, self.digits), _random_int(rng, self.digits)
         answer = str(a + b)
         example = {"prompt": f"{a}+{b}=", "answer": answer, "demonstration": answer, "a": a, "b": b}
@@ -174,7 +175,7 @@ class SortTask(Task):
         if self.length < 1 or self.max_value < 1:
             raise ValueError(f"need length >= 1 and max_value >= 1, got {self}")
 
-    def _draw(self, rng):
+    def _example(self, rng):
         numbers = [int(x) for x in rng.integers(0, self.max_value + 1, size=self.length)]
         answer = " ".join(str(x) for x in sorted(numbers))
         prompt = "sort " + " ".join(str(x) for x in numbers) + ":"
@@ -203,7 +204,7 @@ class CountdownTask(Task):
         if self.num_numbers < 1 or self.max_value < 1 or self.min_target > self.max_target:
             raise ValueError(f"bad countdown difficulty: {self}")
 
-    def _draw(self, rng):
+    def _example(self, rng):
         numbers = [int(x) for x in rng.integers(1, self.max_value + 1, size=self.num_numbers)]
         order = rng.permutation(self.num_numbers)
         expr, value, top_op = str(numbers[order[0]]), numbers[order[0]], "*"

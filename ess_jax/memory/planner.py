@@ -132,11 +132,10 @@ def sampler_phase(
     temporaries, at most one float32 matrix in XLA's count, are gone before the KV cache
     exists). Else sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params."""
     from ess_jax.sampling.precision import sample_config
-    from ess_jax.sampling.sampler import bucket_length
 
     terms = sampler_terms(
-        sample_config(cfg, precision), mesh, prompts, samples, bucket_length(prompt_len),
-        new_tokens, precision, kv_cache,
+        sample_config(cfg, precision), mesh, prompts, samples, prompt_len, new_tokens,
+        precision, kv_cache,
     )  # fmt: skip
     copy = sampler_copy_bytes(cfg, mesh, precision)
     if merged:

@@ -124,12 +124,12 @@ def _static(cfg, n: int, new_tokens: int, temperature: float, kv: str) -> decode
 def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, new, temperature,
                      precision, kv, amesh, beside) -> list[Program]:  # fmt: skip
     """The prefill and every decode segment of one sampler call of `prompts` x `n` samples
-    (prompt width `prompt` before bucketing). `weights(compiled)`: the sampler's abstract
+    (prompt width `prompt`, a data.buckets width). `weights(compiled)`: the sampler's abstract
     copy, laid out as the program that makes it outputs it; `w_bytes` its bytes per device."""
     scfg = precision_lib.sample_config(cfg, precision)
     st = _static(cfg, n, new, temperature, kv)
     prefill, dec = sampler_lib.programs(scfg, st, mesh)
-    width = sampler_lib.bucket_length(prompt)
+    width = prompt  # the sampler pads no further than the batcher's bucket
     spec = sharding_lib.logical_to_spec(  # as the sampler places its prompts (sampler._place)
         ("batch", None), (prompts, width), mesh, sharding_lib.SAMPLE_RULES
     )

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ess_jax.config.defaults import base_config
-from ess_jax.data import encode_completion, encode_prompts, get_task, sft_batches
+from ess_jax.data import bucket_width, encode_completion, encode_prompts, get_task, sft_batches
 from ess_jax.mismatch import replay as replay_lib
 from ess_jax.mismatch.knobs import Setting, SettingError
 from ess_jax.model import decoder as model_lib
@@ -92,7 +92,10 @@ def task_examples(spec: str, n: int, split: str = "test") -> list[dict]:
 
 
 def left_pad(ids: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    p = max(len(r) for r in ids)
+    """(tokens, mask) of the prompts left-padded to the bucket of the longest (data/batching.py
+    `bucket_width`, as a PromptBatcher pads them; no bucket fits: the longest)."""
+    longest = max(len(r) for r in ids)
+    p = bucket_width(longest) or longest
     tokens = np.full((len(ids), p), pad_id, np.int32)
     mask = np.zeros((len(ids), p), bool)
     for i, row in enumerate(ids):
@@ -168,24 +171,24 @@ def measure(
     pad_id = int(model.cfg.pad_token_id or 0)
     parts: dict[str, list] = {}
     for c, start in enumerate(range(0, len(prompt_ids), chunk)):
-        ptok, pmask = left_pad(prompt_ids[start : start + chunk], pad_id)
+        ids = prompt_ids[start : start + chunk]
+        bucket_tok, bucket_mask = left_pad(ids, pad_id)  # the sampler's and the replay's width
+        p, pb = max(len(r) for r in ids), bucket_tok.shape[1]
         rng = jax.random.fold_in(jax.random.key(seed), c)
         out = sampler_lib.sample(
             beh.cfg,
             beh.params,
-            ptok,
-            pmask,
+            bucket_tok,
+            bucket_mask,
             scfg,
             rng,
             precision=setting.precision,
             kv_cache=setting.kv_cache,
         )
-        seq, seq_mask = np.asarray(out.sequences), np.asarray(out.sequence_mask)
-        p = ptok.shape[1]
+        # the trainer scores the prompts at the longest one's width (p)
+        seq = np.asarray(out.sequences)[:, pb - p :]
+        seq_mask = np.asarray(out.sequence_mask)[:, pb - p :]
         logp, full = _score_fn(tcfg, p)(tparams, seq, seq_mask)
-        pb = sampler_lib.bucket_length(p)  # the sampler's prompt bucket: replay the same shapes
-        bucket_tok = np.pad(ptok, ((0, 0), (pb - p, 0)), constant_values=pad_id)
-        bucket_mask = np.pad(pmask, ((0, 0), (pb - p, 0)))
         picked, kl_fwd, kl_rev = replay_lib.replay(
             bparams,
             bucket_tok,

@@ -7,8 +7,8 @@ over devices every micro-batch has rows on every device and its statistics are p
 of them, as the reference code all-reduces a micro-batch's ESS over its data-parallel ranks. In
 the two micro-batch scopes, given a key, the rows are first shuffled within each device's
 block (`shuffle_rows`), as the reference code shuffles its micro-batches: a rollout batch lays its
-groups out as rows i*G + g with the external model's samples first in each group, so the
-strided split alone gives micro-batches that are all external or all policy whenever M is a
+groups out as rows i*G + g (`RowLayout`), the external model's samples first in each group, so
+the strided split alone gives micro-batches that are all external or all policy whenever M is a
 multiple of G (G = 4, M = 16, 50% external: per-micro-batch ESS 0.32-0.998, the reference
 code's 0.29-0.875). "step" never shuffles: its results do not depend on the split. ess_scope:
   "step"             a no-grad statistics pass fixes the ESS and the token / sequence counts of

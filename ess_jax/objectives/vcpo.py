@@ -56,6 +56,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ess_jax.data.layout import RowLayout
 from ess_jax.objectives.config import ObjectiveConfig
 from ess_jax.objectives.core import (
     Batch,
@@ -98,18 +99,18 @@ def lr_scale(ess_ratio_: jax.Array, base_ess_ratio: float) -> jax.Array:
 
 
 def opob_baseline(adv_B: jax.Array, weight_B: jax.Array, group_size: int) -> jax.Array:
-    """Per row, its group's sum_j W_j A_j / (sum_j W_j + 1e-8); groups are G consecutive rows."""
-    n = adv_B.shape[0]
-    if group_size < 1 or n % group_size:
+    """Per row, its group's sum_j W_j A_j / (sum_j W_j + 1e-8); the groups are those of the
+    rollout's row layout (data/layout.py `RowLayout`: `group_size` consecutive rows)."""
+    try:
+        layout = RowLayout.of_rows(adv_B.shape[0], group_size)
+    except ValueError as e:
         raise ValueError(
-            f"vcpo's baseline needs whole groups in each update: {n} rows are not a multiple of "
-            f"rollout.group_size={group_size} (data.prompts_per_step must be a multiple of "
-            "train.updates_per_batch)"
-        )
-    a_NgxG = adv_B.reshape(n // group_size, group_size)
-    w_NgxG = weight_B.reshape(n // group_size, group_size)
+            f"vcpo's baseline needs whole groups in each update: {e} (rollout.group_size; "
+            "data.prompts_per_step must be a multiple of train.updates_per_batch)"
+        ) from None
+    a_NgxG, w_NgxG = layout.grouped(adv_B), layout.grouped(weight_B)
     b_Ng = jnp.sum(w_NgxG * a_NgxG, -1) / (jnp.sum(w_NgxG, -1) + BASELINE_EPS)
-    return jnp.repeat(b_Ng, group_size)
+    return layout.repeat(b_Ng)
 
 
 def batch_pass(
@@ -121,10 +122,10 @@ def batch_pass(
 ) -> tuple[Batch, Batch]:
     """What VCPO needs of the whole optimizer batch before any gradient: (rows to add:
     opob_advantages [B, T]; shared scalars to add: lr_scale, ess_seq). `rows` are the update's
-    rows in rollout order (groups of `group_size` consecutive rows), before any shuffle; `sq_B`
-    is each row's ||grad_theta sum_t logp_t||^2 over its kept tokens and `logp_BxT` its
-    log-probs, both at the update's params (the RL update's per-row gradient pass,
-    rl/accumulate.seq_grad_sq)."""
+    rows in the rollout's row layout (`RowLayout`: groups of `group_size` consecutive rows),
+    before any shuffle; `sq_B` is each row's ||grad_theta sum_t logp_t||^2 over its kept tokens
+    and `logp_BxT` its log-probs, both at the update's params (the RL update's per-row gradient
+    pass, rl/accumulate.seq_grad_sq)."""
     if group_size is None:
         raise ValueError("vcpo needs the rollout's group_size for its per-group baseline")
     if "seq_ids" in rows:

@@ -14,7 +14,12 @@ s - 1's row is written) the trainer copies its params with one `jax.device_put` 
 rollout mesh's NamedShardings (no host round trip) and hands them to the sampler as version s
 (the number of steps trained). With model.lora a push copies the adapters alone: the rollout
 mesh gets its own copy of the frozen base once, when the sampler starts, and the sampler draws
-from base + adapters there (`lora_policy.source`: merged once per batch).
+from base + adapters there (`lora_policy.sampler_params`: merged once per batch).
+
+The sampler draws through a `RolloutEngine` (sampling/engine.py), as the sync loop does: before
+each batch it pushes the version it drew with (`update_params`), after it `release`s it. The
+engine is `Run.engine` when one was given, else the in-JAX sampler on the rollout mesh
+(`rollout.policy_engine`); the external model's rows come from its own engine there.
 
 Thread, not asynchronous dispatch alone: one collection is not one device program. It decodes
 in up to 4 jitted segments, brings the tokens to the host (rewards are Python functions of the
@@ -70,9 +75,10 @@ from ess_jax.config.schema import fail
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import dynamic_sampling, lora_policy, preemption
+from ess_jax.rl import dynamic_sampling, preemption
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl.pacing import LagController
+from ess_jax.sampling.engine import RolloutEngine
 
 POLL_S = 0.1  # how often a wait looks at the other side (stop flag, crashed thread)
 
@@ -151,11 +157,25 @@ class Batch:
 
 
 class Sampler:
-    """The host thread that fills the queue (module docstring). `publish` hands it params,
-    `set_budget` the lag budget; `next_batch` is the trainer's side."""
+    """The host thread that fills the queue (module docstring): each batch drawn by `engine`
+    (`external`: the external model's engine). `publish` hands it params, `set_budget` the lag
+    budget; `next_batch` is the trainer's side."""
 
-    def __init__(self, run, batcher, external, frozen, params, version, start, budget, capacity):
-        self._run, self._batcher, self._external, self._budget = run, batcher, external, budget
+    def __init__(
+        self,
+        run,
+        batcher,
+        engine: RolloutEngine,
+        external: RolloutEngine | None,
+        frozen,
+        params,
+        version,
+        start,
+        budget,
+        capacity,
+    ):
+        self._run, self._batcher, self._budget = run, batcher, budget
+        self._engine, self._external = engine, external
         self._frozen = frozen  # model.lora: the base on the rollout mesh (`params`: adapters)
         self._version, self._params = version, params
         self._queue: queue.Queue[Batch] = queue.Queue(maxsize=capacity)
@@ -211,7 +231,7 @@ class Sampler:
                 got = self._wait_for_params(k)
                 if got is None:
                     return
-                batch = self._draw(k, *got)
+                batch = self._collect(k, *got)
                 while not self._stop.is_set():
                     try:
                         self._queue.put(batch, timeout=POLL_S)
@@ -232,21 +252,24 @@ class Sampler:
                 self._cond.wait(POLL_S)
             return None if self._stop.is_set() else (self._version, self._params)
 
-    def _draw(self, k: int, version: int, params) -> Batch:
+    def _collect(self, k: int, version: int, params) -> Batch:
+        """Batch k, drawn by the engine with `params` pushed as `version` for it."""
         run = self._run
         t0 = time.perf_counter()
         rng = jax.random.fold_in(jax.random.fold_in(run.rng, 1), k)  # the sync loop's key
-        rollout, metrics = dynamic_sampling.collect_batch(
-            lora_policy.source(
-                run.model_cfg, self._frozen, params, version, run.rollout_cfg.precision
-            ),
-            self._batcher,
-            run.tokenizer,
-            run.reward_fn,
-            run.rollout_cfg,
-            rng,
-            external=self._external,
-        )
+        self._engine.update_params(version, lora.join(self._frozen, params))
+        try:
+            rollout, metrics = dynamic_sampling.collect_batch(
+                self._engine,
+                self._batcher,
+                run.tokenizer,
+                run.reward_fn,
+                run.rollout_cfg,
+                rng,
+                external=self._external,
+            )
+        finally:
+            self._engine.release()
         data = self._batcher.state()
         return Batch(k, version, rollout, metrics, data, time.perf_counter() - t0)
 
@@ -295,26 +318,30 @@ class ActorLearner:
 
     def start(self, start: int) -> None:
         """The sampler thread from batch `start` with the params of version `start`."""
-        run = self.run
+        run, rcfg = self.run, self.run.rollout_cfg
         external = None
         if run.external is not None:  # a copy on the rollout mesh for the whole run
             e = run.external
             sh = model_lib.param_shardings(e.cfg, run.rollout_mesh, "sample")
-            external = rollout_lib.PolicySource(e.cfg, jax.device_put(e.params, sh), -1)
+            external = rollout_lib.external_engine(e.cfg, jax.device_put(e.params, sh), rcfg)
         frozen = None  # model.lora: the frozen base, copied to the rollout mesh once
         if self.frozen_sh is not None:
             frozen = jax.device_put(run.state.frozen, self.frozen_sh)
+        engine = run.engine
+        if engine is None:  # the in-JAX sampler on the rollout mesh
+            engine = rollout_lib.policy_engine(run.model_cfg, rcfg)
         params, _ = self.push(start)
         self.first = start
         self.sampler = Sampler(
             run,
             run.batcher.fork(),
+            engine,
             external,
-            frozen,
-            params,
-            start,  # the version of those params
-            start,  # the first batch to draw
-            self.pacer.budget,
+            frozen=frozen,
+            params=params,
+            version=start,  # the version of those params
+            start=start,  # the first batch to draw
+            budget=self.pacer.budget,
             capacity=int(run.config.rollout.max_lag) + 1,
         )
 

@@ -1,7 +1,7 @@
 """Group-relative advantages (GRPO, Dr.GRPO, RLOO) and DAPO's batch filters, pure and jit-able.
 
-Axis alphabet: N sequences (N = prompts * G, rows i*G .. i*G+G-1 are the G samples of prompt i),
-G group size, T time.
+Axis alphabet: N sequences (N = prompts * G in the row layout of data/layout.py `RowLayout`:
+rows i*G .. i*G+G-1 are the G samples of prompt i), G group size, T time.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.config.domains import ADVANTAGE_MODES
+from ess_jax.data.layout import RowLayout
 
 MODES = ADVANTAGE_MODES  # rollout.advantage_mode's domain: the config check refuses any other
 
 
-def _groups(x_N: jax.Array, group_size: int) -> jax.Array:
-    n = x_N.shape[0]
-    if group_size < 1 or n % group_size:
-        raise ValueError(f"{n} rewards do not split into groups of {group_size}")
-    return x_N.astype(jnp.float32).reshape(n // group_size, group_size)
+def _groups(x_N: jax.Array, group_size: int) -> tuple[RowLayout, jax.Array]:
+    """The rows' layout and x as [prompts, G] float32; ValueError unless whole groups."""
+    layout = RowLayout.of_rows(x_N.shape[0], group_size)
+    return layout, layout.grouped(x_N.astype(jnp.float32))
 
 
 def group_advantages(
@@ -32,7 +32,7 @@ def group_advantages(
     """
     if mode not in MODES:
         raise ValueError(f"unknown advantage mode {mode!r}; valid: {list(MODES)}")
-    r_NgxG = _groups(rewards_N, group_size)
+    layout, r_NgxG = _groups(rewards_N, group_size)
     if group_size == 1:
         return jnp.zeros(rewards_N.shape, jnp.float32)
     centred = r_NgxG - r_NgxG.mean(axis=1, keepdims=True)
@@ -43,7 +43,7 @@ def group_advantages(
         adv = centred
     else:
         adv = centred * (group_size / (group_size - 1))
-    return adv.reshape(-1)
+    return layout.flat(adv)
 
 
 def broadcast_to_tokens(adv_N: jax.Array, mask_NxT: jax.Array) -> jax.Array:
@@ -55,9 +55,9 @@ def dynamic_sampling_mask(rewards_N: jax.Array, group_size: int) -> jax.Array:
     """DAPO dynamic sampling: one bool per group [N / G], True when its rewards are not all equal.
 
     Groups with equal rewards have zero advantage and only dilute the token mean; drop them
-    (or resample) by multiplying the token mask by jnp.repeat(keep, group_size).
+    (or resample) by multiplying the token mask by the row layout's repeat of `keep`.
     """
-    r_NgxG = _groups(rewards_N, group_size)
+    _, r_NgxG = _groups(rewards_N, group_size)
     return r_NgxG.max(axis=1) > r_NgxG.min(axis=1)
 
 

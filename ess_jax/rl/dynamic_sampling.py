@@ -15,10 +15,10 @@ rollout.dynamic_sampling=True, rollout.max_resample_rounds=K > 0 (the DAPO paper
     when the batch is full are dropped (their prompts are consumed). Slots still empty after
     K rounds keep their constant group, masked as with K=0, with a warning.
 
-Every kept group is a whole group from one round, with the rewards, advantages and behaviour
-log-probs that round recorded. Rounds whose prompts fall in different length buckets are
-left-padded to the widest (positions come from the attention mask, so left pads change
-nothing the trainer computes).
+Every kept group is a whole group from one round (its rows in the round's `Rollout.layout`,
+data/layout.py), with the rewards, advantages and behaviour log-probs that round recorded.
+Rounds whose prompts fall in different length buckets are left-padded to the widest
+(positions come from the attention mask, so left pads change nothing the trainer computes).
 
 Metrics (only when K > 0, so that the rows of K = 0 runs do not change): ds_rounds (sampling
 rounds used, 1 to K + 1), ds_groups_kept (non-constant groups in the batch), ds_groups_masked
@@ -36,45 +36,47 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from ess_jax.data.layout import RowLayout
 from ess_jax.rl import advantages as adv_lib
 from ess_jax.rl import rollout as rollout_lib
+from ess_jax.sampling.engine import RolloutEngine
 
 
-def _constant_groups(rewards_N, group_size: int) -> np.ndarray:
+def _constant_groups(r: rollout_lib.Rollout) -> np.ndarray:
     """One bool per group: True when all its rewards are equal (the groups `collect` masks)."""
-    return ~np.asarray(adv_lib.dynamic_sampling_mask(rewards_N, group_size))
+    return ~np.asarray(adv_lib.dynamic_sampling_mask(r.rewards, r.layout.group_size))
 
 
 def collect_batch(
-    policy: rollout_lib.PolicySource,
+    policy: RolloutEngine,
     batcher,
     tokenizer,
     reward_fn: Callable[[str, dict], float],
     rcfg,
     rng: jax.Array,
-    external: rollout_lib.PolicySource | None = None,
+    external: RolloutEngine | None = None,
 ) -> tuple[rollout_lib.Rollout, dict]:
-    """One step's rollout batch: `rollout.collect` on `next(batcher)`, refilled from extra
-    rounds as the module docstring says. Returns (Rollout, metrics)."""
+    """One step's rollout batch: `rollout.collect` on `next(batcher)` with the engines' current
+    versions, refilled from extra rounds as the module docstring says. Returns (Rollout,
+    metrics)."""
 
-    def draw(round_: int):
+    def one_round(round_: int):
         key = rng if round_ == 0 else jax.random.fold_in(rng, round_)
         return rollout_lib.collect(
             policy, next(batcher), tokenizer, reward_fn, rcfg, key, external=external
         )
 
-    first, metrics = draw(0)
+    first, metrics = one_round(0)
     max_rounds = int(rcfg.get("max_resample_rounds", 0))
     if not (rcfg.dynamic_sampling and max_rounds > 0):
         return first, metrics
-    group = int(rcfg.group_size)
-    constant = _constant_groups(first.rewards, group)
+    constant = _constant_groups(first)
     empty = np.flatnonzero(constant)  # the slots to refill, in order
     donors: list[tuple[rollout_lib.Rollout, int]] = []  # (round's rollout, group index)
     n_constant, n_sampled, rounds = int(constant.sum()), len(constant), 1
     while len(donors) < len(empty) and rounds <= max_rounds:
-        extra, _ = draw(rounds)
-        c = _constant_groups(extra.rewards, group)
+        extra, _ = one_round(rounds)
+        c = _constant_groups(extra)
         donors += [(extra, int(i)) for i in np.flatnonzero(~c)]
         n_constant, n_sampled, rounds = n_constant + int(c.sum()), n_sampled + len(c), rounds + 1
     slots = [(first, i) for i in range(len(constant))]
@@ -89,7 +91,7 @@ def collect_batch(
             len(slots),
             max_rounds,
         )
-    batch = first if all(src is first for src, _ in slots) else _assemble(slots, group, tokenizer)
+    batch = first if all(src is first for src, _ in slots) else _assemble(slots, tokenizer)
     metrics.update(
         ds_rounds=rounds,
         ds_groups_kept=len(slots) - masked,
@@ -99,7 +101,7 @@ def collect_batch(
     return batch, metrics
 
 
-def _assemble(slots, group: int, tokenizer) -> rollout_lib.Rollout:
+def _assemble(slots, tokenizer) -> rollout_lib.Rollout:
     """A Rollout of the given (rollout, group index) slots, prompts left-padded to the widest."""
     width = max(src.prompt_len for src, _ in slots)
     pad_id = tokenizer.pad_token_id
@@ -107,7 +109,7 @@ def _assemble(slots, group: int, tokenizer) -> rollout_lib.Rollout:
     def take(name: str, left_pad=None):
         parts = []
         for src, i in slots:
-            x = np.asarray(getattr(src, name))[i * group : (i + 1) * group]
+            x = np.asarray(getattr(src, name))[src.layout.rows_of(i)]
             if left_pad is not None and src.prompt_len < width:
                 x = np.pad(x, ((0, 0), (width - src.prompt_len, 0)), constant_values=left_pad)
             parts.append(x)
@@ -121,5 +123,6 @@ def _assemble(slots, group: int, tokenizer) -> rollout_lib.Rollout:
         advantages=take("advantages"),
         rewards=take("rewards"),
         policy_version=take("policy_version"),
+        layout=RowLayout(len(slots), slots[0][0].layout.group_size),
         prompt_len=width,
     )

@@ -53,8 +53,9 @@ class FullKL:
     ) -> FullKL | None:
         """None unless objective.kl_estimator is "full". `lag` (rollout.lag) and
         `updates_per_batch` decide whether pi_b's policy params are the update's own; the
-        external model (a rollout.PolicySource) matters only with rollout.external_fraction > 0:
-        then each row is re-scored under the model that drew it (`policy_version` -1)."""
+        external model (its engine, rollout.external_engine: `cfg` and `params`) matters only
+        with rollout.external_fraction > 0: then each row is re-scored under the model that
+        drew it (`policy_version` -1)."""
         if objective_cfg.kl_estimator != obj_lib.FULL_KL:
             return None
         policy = HISTORY if lag else COPY if updates_per_batch > 1 else CURRENT

@@ -7,10 +7,10 @@ import math
 import jax
 import numpy as np
 
-from ess_jax.data import PromptBatcher
-from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.data import PromptBatcher, RowLayout
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.sampling import sampler as sampler_lib
+from ess_jax.sampling.engine import RolloutEngine
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -21,7 +21,7 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 
 
 def evaluate(
-    policy: rollout_lib.PolicySource,
+    engine: RolloutEngine,
     examples: list[dict],
     tokenizer,
     reward_fn,
@@ -31,19 +31,15 @@ def evaluate(
     buckets=(16, 32, 64),
 ) -> dict:
     """{'eval/pass@1', 'eval/pass@k' (k > 1), 'eval/response_len'} over the first
-    `ecfg.num_examples` of `examples` (all if 0).
+    `ecfg.num_examples` of `examples` (all if 0), drawn by `engine` (its params pushed).
 
     Every example is scored with `ecfg.k` samples at `ecfg.temperature`; pass@1 is the mean
-    success over all samples, pass@k the unbiased estimator with n = k. The sampler runs in
-    `ecfg.precision` (rollout.precision's formats): a `policy` not `prepared` is prepared by
-    the sampler, a prepared one (lora_policy.source) must be in that format; its KV cache in
-    `ecfg.kv_cache_precision` (rollout.kv_cache_precision's values). Batches have a fixed
-    shape: the last one is topped up with repeats of the first examples, whose samples are
-    dropped unscored, so every example counts once whatever num_examples % batch_size is.
+    success over all samples, pass@k the unbiased estimator with n = k. The engine's formats
+    are the eval's (`Run.evaluate` builds it in eval.precision and eval.kv_cache_precision).
+    Batches have a fixed shape: the last one is topped up with repeats of the first examples,
+    whose samples are dropped unscored, so every example counts once whatever
+    num_examples % batch_size is.
     """
-    precision = str(ecfg.get("precision", "float32"))
-    kv_cache = str(ecfg.get("kv_cache_precision", "compute"))
-    policy.check_format(precision, "eval: ")
     n_ex = min(len(examples), int(ecfg.num_examples)) if ecfg.num_examples else len(examples)
     if n_ex == 0:
         raise ValueError("eval: no held-out examples")
@@ -63,23 +59,13 @@ def evaluate(
     k = sampling.num_samples
     for i in range(n_batches):
         b = next(batcher)
-        rows = min(bs, n_ex - i * bs) * k  # row j * k + s is sample s of prompt j
-        out = sampler_lib.sample(
-            policy.cfg,
-            policy.params,
-            b["prompt_tokens"],
-            b["prompt_mask"],
-            sampling,
-            jax.random.fold_in(rng, i),
-            precision=precision,
-            kv_cache=kv_cache,
-            prepared=policy.prepared is not None,
+        layout = RowLayout(min(bs, n_ex - i * bs), k)  # the prompts scored, k rows each
+        gen = engine.generate(
+            b["prompt_tokens"], b["prompt_mask"], sampling, jax.random.fold_in(rng, i)
         )
-        mask = sharding_lib.to_host(out.response_mask)[:rows]
-        texts = rollout_lib.completions_text(
-            tokenizer, sharding_lib.to_host(out.tokens)[:rows], mask
-        )
-        exs = [ex for ex in b["examples"] for _ in range(k)][:rows]
+        mask = gen.response_mask[: layout.num_rows]
+        texts = rollout_lib.completions_text(tokenizer, gen.tokens[: layout.num_rows], mask)
+        exs = layout.repeat(b["examples"][: layout.num_prompts])
         correct.append(np.array([reward_fn(t, ex) >= 1.0 for t, ex in zip(texts, exs)]))
         lengths.append(mask.sum(-1))
     c = np.concatenate(correct).reshape(n_ex, k)

@@ -10,7 +10,7 @@ values. The sampler draws from the merged weights W + (alpha / R) A B (`SAMPLER_
 dense matmul per weight per decode step instead of three. One jitted program merges them
 straight into the sampler's format (`merged(..., precision=)`: rollout.precision's bfloat16
 copy or int4 codes, sampling/precision.py), so the whole float32 merged model is never held
-beside that copy; the sampler does not prepare it again (`PolicySource.prepared`).
+beside that copy; that copy is the sampler's `SamplerParams`, used as it is (`engine`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import jax
 from ess_jax.config.schema import lora_targets
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora, quant
-from ess_jax.rl.rollout import PolicySource
 from ess_jax.sampling import precision as precision_lib
+from ess_jax.sampling import sampler as sampler_lib
+from ess_jax.sampling.engine import JaxEngine
 
 # How the sampler runs base + adapters: "merged" (W + (alpha / R) A B once per collection, the
 # plain model's decode) or "adapters" (x W + (alpha / R) (x A) B in every matmul). Side by
@@ -118,16 +119,25 @@ def _mesh_of(tree):
     return getattr(sharding, "mesh", None)
 
 
-def source(cfg, frozen, params, version: int, precision: str = "float32") -> PolicySource:
-    """What the sampler draws from: the policy itself, or base + adapters (`SAMPLER_FORM`),
-    merged straight into the sampler's `precision` (config.rollout.precision, or for held-out
-    eval config.eval.precision) and marked `prepared` so the sampler uses it as it is."""
-    if frozen is None:
-        return PolicySource(cfg, params, version)
+def sampler_params(cfg, params, precision: str = "float32") -> sampler_lib.SamplerParams:
+    """The sampler's copy of a LoRA policy's `params` (lora.join of the frozen base and the
+    adapters) per `SAMPLER_FORM`: merged straight into `precision`'s format
+    (config.rollout.precision, or for held-out eval config.eval.precision) in the sample
+    layout, used by the sampler as it is."""
+    frozen, adapters = lora.split(params)
     if SAMPLER_FORM == "merged":
-        full = merged(cfg, frozen, params, precision=precision)
-        return PolicySource(lora.base_config(cfg), full, version, prepared=precision)
-    return PolicySource(cfg, lora.join(frozen, params), version)
+        full = merged(cfg, frozen, adapters, precision=precision)
+        return sampler_lib.SamplerParams(
+            lora.base_config(cfg), full, precision, sampler_lib.params_mesh(full)
+        )
+    return sampler_lib.prepare(cfg, params, precision)
+
+
+def engine(cfg, precision: str = "float32", kv_cache="compute", calls=1) -> JaxEngine:
+    """The in-JAX sampler engine of a policy of config `cfg` in `precision`; with model.lora it
+    is pushed the base and the adapters joined (lora.join) and prepares `sampler_params`."""
+    prepare = functools.partial(sampler_params, cfg) if cfg.lora_rank else None
+    return JaxEngine(cfg, precision=precision, kv_cache=kv_cache, calls=calls, prepare=prepare)
 
 
 def export(cfg, frozen, params, hf_dir: str, peft_dir: str, tokenizer, base_source: str):

@@ -1,6 +1,10 @@
-"""One collection step: sample G completions per prompt, score them, build the Rollout.
+"""One collection step: draw G completions per prompt through a rollout engine, score them,
+build the Rollout.
 
-Every source of off-policyness in docs/method.md is a knob here (all off by default):
+The rows come from a `RolloutEngine` (sampling/engine.py): the policy's (`policy_engine`, the
+in-JAX sampler by default) and, with rollout.external_fraction, another model's
+(`external_engine`). Every source of off-policyness in docs/method.md is a knob here (all off
+by default):
   rollout.temperature / top_k / top_p   the sampler's distribution differs from the trainer's
   rollout.precision                     the sampler's weights and compute (float32, bfloat16,
                                         float16, fp8 formats, int8 / int4 weights, fp8
@@ -10,13 +14,12 @@ Every source of off-policyness in docs/method.md is a knob here (all off by defa
   rollout.external_fraction (+ external_checkpoint)
                                         that share of each group is drawn by another model,
                                         whose own log-probs become pi_b
-The trainer always scores at temperature 1 in float32; pi_b is what the sampler recorded.
+The trainer always scores at temperature 1 in float32; pi_b is what the engine recorded.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,22 +28,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.data.layout import RowLayout
 from ess_jax.rl import advantages as adv_lib
+from ess_jax.rl import lora_policy
+from ess_jax.sampling import engine as engine_lib
 from ess_jax.sampling import sampler as sampler_lib
+
+EXTERNAL_VERSION = -1  # Rollout.policy_version of the rows the external model drew
 
 
 @struct.dataclass
 class Rollout:
-    """A fixed-shape batch of B = prompts * G sequences; row i*G+g is sample g of prompt i."""
+    """A fixed-shape batch of B = prompts * G sequences in `layout` (data/layout.py): row i*G+g
+    is sample g of prompt i."""
 
     tokens: jax.Array  # [B, P+T] int32: left-padded prompt then response
     attn_mask: jax.Array  # [B, P+T] bool: real tokens (prompt and response up to EOS)
     loss_mask: jax.Array  # [B, T] float32: response tokens that are trained on
-    behaviour_logp: jax.Array  # [B, T] float32: log pi_b recorded by the sampler
+    behaviour_logp: jax.Array  # [B, T] float32: log pi_b recorded by the engine
     advantages: jax.Array  # [B, T] float32: group advantage broadcast over the response
     rewards: jax.Array  # [B] float32
     policy_version: jax.Array  # [B] int32: trainer step whose params drew it (-1: external)
+    layout: RowLayout = struct.field(pytree_node=False)
     prompt_len: int = struct.field(pytree_node=False, default=0)
 
     @property
@@ -48,24 +57,28 @@ class Rollout:
         return self.tokens.shape[0]
 
 
-@dataclasses.dataclass
-class PolicySource:
-    """A model that can draw samples: config, params (any layout: the sampler moves them to
-    the sample layout for the duration of a collection) and a version number. `prepared`: the
-    sampler format (rollout.precision) the params are already in, in the sample layout
-    (lora_policy.source's merge); None: the sampler prepares them itself."""
+def engine_knobs(rcfg) -> dict:
+    """The in-JAX sampler's knobs of config.rollout besides its format: the KV cache's
+    precision and the sampler calls per batch (rollout.sample_microbatches)."""
+    return dict(
+        kv_cache=str(rcfg.get("kv_cache_precision", "compute")),
+        calls=int(rcfg.get("sample_microbatches", 1)),
+    )
 
-    cfg: Any
-    params: Any
-    version: int
-    prepared: str | None = None
 
-    def check_format(self, precision: str, who: str = "") -> None:
-        """Refuses a sampler run in `precision` on params prepared in another format."""
-        if self.prepared not in (None, precision):
-            raise ValueError(
-                f"{who}the policy's params are prepared in {self.prepared}, not {precision}"
-            )
+def policy_engine(cfg, rcfg) -> engine_lib.JaxEngine:
+    """The policy's engine: the in-JAX sampler in rollout.precision (lora_policy.engine: with
+    model.lora it is pushed the base and the adapters joined)."""
+    return lora_policy.engine(cfg, str(rcfg.precision), **engine_knobs(rcfg))
+
+
+def external_engine(cfg, params, rcfg) -> engine_lib.JaxEngine:
+    """The external model's engine (rollout.external_checkpoint) in rollout.external_precision,
+    its params fixed at construction as version EXTERNAL_VERSION."""
+    precision = str(rcfg.external_precision)
+    return engine_lib.JaxEngine(
+        cfg, precision=precision, params=params, version=EXTERNAL_VERSION, **engine_knobs(rcfg)
+    )
 
 
 class ParamHistory:
@@ -97,110 +110,64 @@ class ParamHistory:
         self._versions.extend(versions)
 
 
-_FIELDS = ("tokens", "response_mask", "behaviour_logp", "sequences", "sequence_mask")
+def _sampling(rcfg, num_samples: int) -> sampler_lib.SamplingConfig:
+    return sampler_lib.SamplingConfig(
+        temperature=float(rcfg.temperature),
+        top_k=int(rcfg.top_k),
+        top_p=float(rcfg.top_p),
+        max_new_tokens=int(rcfg.max_new_tokens),
+        num_samples=num_samples,
+        stop_ids=tuple(rcfg.stop_ids),
+    )
 
 
-def draw(
-    src: PolicySource,
-    prompts,
-    prompt_mask,
-    sampling,
-    rng,
-    precision: str,
-    calls: int,
-    kv_cache: str = "compute",
-):
-    """The sampler's outputs as numpy arrays, the prompts split over `calls` sampler calls
-    (each holds a KV cache for only its share of the rows: rollout.sample_microbatches)."""
-    if len(prompts) % calls:
-        raise ValueError(
-            f"config.rollout.sample_microbatches: {calls} does not divide {len(prompts)} prompts"
-        )
-    src.check_format(precision)
-    if src.prepared is None:
-        params = sampler_lib.sample_layout(src.cfg, src.params)  # once for all calls
-    else:
-        params = src.params
-    prepared = src.prepared is not None
-    parts = []
-    for i, (p, m) in enumerate(zip(np.split(prompts, calls), np.split(prompt_mask, calls))):
-        key = rng if calls == 1 else jax.random.fold_in(rng, i)
-        out = sampler_lib.sample(
-            src.cfg,
-            params,
-            p,
-            m,
-            sampling,
-            key,
-            precision=precision,
-            kv_cache=kv_cache,
-            prepared=prepared,
-        )
-        parts.append({k: sharding_lib.to_host(getattr(out, k)) for k in _FIELDS})
-    fields = {k: np.concatenate([part[k] for part in parts]) for k in _FIELDS}
-    return fields, np.full((len(fields["tokens"]),), src.version, np.int32)
+def _generate(engine, prompts, pmask, sampling, rng) -> engine_lib.Generation:
+    gen = engine.generate(prompts, pmask, sampling, rng)
+    engine_lib.check_rows(gen, prompts, pmask, sampling)
+    return gen
 
 
-def _interleave_groups(a, b, num_prompts: int):
-    """[P*Ga, ...] and [P*Gb, ...] -> [P*(Ga+Gb), ...] keeping each prompt's rows together."""
-    a = np.asarray(a).reshape(num_prompts, -1, *np.shape(a)[1:])
-    b = np.asarray(b).reshape(num_prompts, -1, *np.shape(b)[1:])
-    out = np.concatenate([a, b], axis=1)
+def _join_groups(first, second, first_layout: RowLayout, second_layout: RowLayout):
+    """Rows of two layouts over the same prompts -> one layout with each prompt's rows of
+    `first` then those of `second` in its group."""
+    out = np.concatenate(
+        [first_layout.grouped(np.asarray(first)), second_layout.grouped(np.asarray(second))],
+        axis=1,
+    )
     return out.reshape(-1, *out.shape[2:])
 
 
 def collect(
-    policy: PolicySource,
+    policy: engine_lib.RolloutEngine,
     prompt_batch: dict,
     tokenizer,
     reward_fn: Callable[[str, dict], float],
     rcfg,
     rng: jax.Array,
-    external: PolicySource | None = None,
+    external: engine_lib.RolloutEngine | None = None,
 ) -> tuple[Rollout, dict]:
-    """Sample, score and package one rollout batch. Returns (Rollout, metrics)."""
+    """Draw (the engines' `generate`), score and package one rollout batch. Returns
+    (Rollout, metrics)."""
     group = int(rcfg.group_size)
     prompts, pmask = prompt_batch["prompt_tokens"], prompt_batch["prompt_mask"]
-    num_prompts = prompts.shape[0]
+    layout = RowLayout(prompts.shape[0], group)
     n_ext = int(round(float(rcfg.external_fraction) * group)) if external is not None else 0
-    base = dict(
-        temperature=float(rcfg.temperature),
-        top_k=int(rcfg.top_k),
-        top_p=float(rcfg.top_p),
-        max_new_tokens=int(rcfg.max_new_tokens),
-        stop_ids=tuple(rcfg.stop_ids),
-    )
     rng_pol, rng_ext = jax.random.split(rng)
-    calls = int(rcfg.get("sample_microbatches", 1))
-    kv = dict(kv_cache=str(rcfg.get("kv_cache_precision", "compute")))
-    fields, version = draw(
-        policy,
-        prompts,
-        pmask,
-        sampler_lib.SamplingConfig(num_samples=group - n_ext, **base),
-        rng_pol,
-        rcfg.precision,
-        calls,
-        **kv,
-    )
+    gen = _generate(policy, prompts, pmask, _sampling(rcfg, group - n_ext), rng_pol)
+    fields = {k: getattr(gen, k) for k in ("sequences", "sequence_mask", "behaviour_logp")}
+    fields.update(tokens=gen.tokens, response_mask=gen.response_mask, version=gen.version)
     if n_ext:
-        ext_fields, ext_version = draw(
-            external,
-            prompts,
-            pmask,
-            sampler_lib.SamplingConfig(num_samples=n_ext, **base),
-            rng_ext,
-            rcfg.external_precision,
-            calls,
-            **kv,
-        )
+        ext = _generate(external, prompts, pmask, _sampling(rcfg, n_ext), rng_ext)
+        ext_fields = {k: getattr(ext, k) for k in fields if k != "version"}
+        ext_fields["version"] = np.full_like(ext.version, EXTERNAL_VERSION)
         # external samples first in each group, their pi_b is the external model's log-prob
-        fields = {k: _interleave_groups(ext_fields[k], v, num_prompts) for k, v in fields.items()}
-        version = _interleave_groups(np.full_like(ext_version, -1), version, num_prompts)
+        fields = {
+            k: _join_groups(ext_fields[k], v, ext.layout, gen.layout) for k, v in fields.items()
+        }
 
     resp_mask = fields["response_mask"].astype(bool)
     texts = completions_text(tokenizer, fields["tokens"], resp_mask)
-    examples = [ex for ex in prompt_batch["examples"] for _ in range(group)]
+    examples = layout.repeat(list(prompt_batch["examples"]))
     rewards = np.array([reward_fn(t, ex) for t, ex in zip(texts, examples)], np.float32)
     lengths = resp_mask.sum(-1)
     if float(rcfg.overlong_buffer) > 0:  # DAPO soft overlong penalty
@@ -212,9 +179,7 @@ def collect(
     adv_N = adv_lib.group_advantages(jnp.asarray(rewards), group, mode=rcfg.advantage_mode)
     loss_mask = resp_mask.astype(np.float32)
     if rcfg.dynamic_sampling:  # DAPO: groups with identical rewards carry no signal
-        keep = np.repeat(
-            np.asarray(adv_lib.dynamic_sampling_mask(jnp.asarray(rewards), group)), group
-        )
+        keep = layout.repeat(np.asarray(adv_lib.dynamic_sampling_mask(jnp.asarray(rewards), group)))
         loss_mask = loss_mask * keep[:, None]
     rollout = Rollout(
         tokens=fields["sequences"].astype(np.int32),
@@ -223,10 +188,11 @@ def collect(
         behaviour_logp=np.where(resp_mask, fields["behaviour_logp"], 0.0).astype(np.float32),
         advantages=np.asarray(adv_lib.broadcast_to_tokens(adv_N, resp_mask)),
         rewards=rewards,
-        policy_version=version.astype(np.int32),
+        policy_version=fields["version"].astype(np.int32),
+        layout=layout,
         prompt_len=int(prompts.shape[1]),
     )
-    grouped = rewards.reshape(-1, group)  # [B / G, G]
+    grouped = layout.grouped(rewards)  # [prompts, G]
     metrics = {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std()),

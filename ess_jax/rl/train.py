@@ -20,6 +20,7 @@ from ess_jax.config.schema import UserError
 from ess_jax.io import workdir as workdir_lib
 from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import actor_learner, dynamic_sampling, experiment, lora_policy, preemption, steps
 from ess_jax.rl import heldout as eval_lib
@@ -30,6 +31,7 @@ from ess_jax.rl.full_kl import FullKL
 from ess_jax.rl.health import HealthWatch, report
 from ess_jax.rl.metrics import MetricsWriter, eval_summary, plot_run, progress_postfix
 from ess_jax.rl.optim import learning_rate_schedule, make_optimizer
+from ess_jax.sampling.engine import RolloutEngine
 
 MAX_NONFINITE_IN_A_ROW = 3
 
@@ -39,12 +41,15 @@ class NonFiniteError(UserError, RuntimeError): ...
 
 class Run:
     """Everything one RL run holds; `run(config, workdir)` drives it. It holds the workdir's
-    lock from construction to the end of `run()` (or `close()`)."""
+    lock from construction to the end of `run()` (or `close()`). `engine`: the
+    `RolloutEngine` that draws the policy's rows in both loops (docs/rollout_engines.md);
+    None: the in-JAX sampler (`rollout.policy_engine`)."""
 
-    def __init__(self, config, workdir: str, allow_config_change=()):
+    def __init__(self, config, workdir: str, allow_config_change=(), engine=None):
         sharding_lib.maybe_initialize_distributed()  # before validate: it counts devices
         experiment.validate(config)
         self.config, self.workdir = config, os.path.abspath(workdir)
+        self.engine: RolloutEngine | None = engine
         self.ckpt = Checkpointer(
             os.path.join(self.workdir, "checkpoints"), keep=config.train.keep_checkpoints
         )
@@ -92,6 +97,8 @@ class Run:
         self.state, self.state_sh = steps.init_state(params, self.tx, self.mesh, frozen)
         self.history = rollout_lib.ParamHistory(config.rollout.lag)
         self.pacer = actor_learner.make_pacer(config)  # async: ESS pacing, kept in checkpoints
+        if self.engine is None and self.rollout_mesh is None:  # async: on the rollout mesh
+            self.engine = rollout_lib.policy_engine(self.model_cfg, self.rollout_cfg)
         self.external = None
         if config.rollout.external_fraction > 0:
             ecfg, eparams, _ = experiment.load_policy(
@@ -105,7 +112,7 @@ class Run:
                     f"vocab size {ecfg.vocab_size} != policy's {self.model_cfg.vocab_size}",
                 )
             # kept in the train layout (FSDP-sharded); gathered only while it samples
-            self.external = rollout_lib.PolicySource(ecfg, eparams, -1)
+            self.external = rollout_lib.external_engine(ecfg, eparams, self.rollout_cfg)
         t = config.train
         ucfg = update_lib.UpdateConfig(
             self.model_cfg,
@@ -187,14 +194,13 @@ class Run:
         )
 
     def evaluate(self, step: int) -> dict:
-        e = self.config.eval
-        params = self.state.params
-        if self.state.frozen is None:
-            params = sharding_lib.reshard(params, self.sample_sh)
-        src = lora_policy.source(self.model_cfg, self.state.frozen, params, step, e.precision)
+        e = self.config.eval  # the eval's own engine, in eval.precision; dropped on return
+        formats = (str(e.get("precision", "float32")), str(e.get("kv_cache_precision", "compute")))
+        engine = lora_policy.engine(self.model_cfg, *formats)
+        engine.update_params(step, lora.join(self.state.frozen, self.state.params))
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 2), step)
         return eval_lib.evaluate(
-            src,
+            engine,
             self.test_examples,
             self.tokenizer,
             self.reward_fn,
@@ -257,18 +263,20 @@ class Run:
         self.step_start = (self.batcher.state(), int(self.state.step))
         version, params_b = self.history.behaviour()
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
+        self.engine.update_params(version, lora.join(self.state.frozen, params_b))
         with preemption.interruptible():  # a signal: the step is redone from its start state
-            rollout, metrics = dynamic_sampling.collect_batch(
-                lora_policy.source(
-                    self.model_cfg, self.state.frozen, params_b, version, self.rollout_cfg.precision
-                ),
-                self.batcher,
-                self.tokenizer,
-                self.reward_fn,
-                self.rollout_cfg,
-                rng,
-                external=self.external,
-            )
+            try:
+                rollout, metrics = dynamic_sampling.collect_batch(
+                    self.engine,
+                    self.batcher,
+                    self.tokenizer,
+                    self.reward_fn,
+                    self.rollout_cfg,
+                    rng,
+                    external=self.external,
+                )
+            finally:
+                self.engine.release()
         return self.learn(step, rollout, metrics, version, params_b, t0)
 
     def learn(self, step, rollout, metrics, version, params_b, t0) -> dict:

@@ -113,7 +113,8 @@ def _write(s: DecodeState, col, tok, blp, rlp, lkm, active, st: Static) -> Decod
     )
 
 
-def st_draw(logits_BxV, key, temperature, top_p, st: Static):
+def next_token(logits_BxV, key, temperature, top_p, st: Static):
+    """`draw.draw` under this configuration's greedy / top-k / top-p switches."""
     return draw_lib.draw(
         logits_BxV,
         key,
@@ -170,7 +171,7 @@ def prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, 
     # gather the vocab before repeating: vocab-sharded -> row-sharded has no cheap path
     last = _constrain(logits[:, -1], mesh, ("batch", None))
     last = _constrain(rep(last), mesh, ("batch", None))
-    tok, blp, rlp, lkm = st_draw(last, jax.random.fold_in(rng, 0), temperature, top_p, st)
+    tok, blp, rlp, lkm = next_token(last, jax.random.fold_in(rng, 0), temperature, top_p, st)
     return _write(s, 0, tok, blp, rlp, lkm, jnp.ones((b * n,), bool), st)
 
 
@@ -203,7 +204,7 @@ def decode_segment(params, s: DecodeState, temperature, top_p, *, bound, cfg, st
         )
         logits = _constrain(logits[:, 0], mesh, ("batch", None))  # whole vocab rows per device
         key = jax.random.fold_in(s.rng, s.step)
-        tok, blp, rlp, lkm = st_draw(logits, key, temperature, top_p, st)
+        tok, blp, rlp, lkm = next_token(logits, key, temperature, top_p, st)
         s = _write(s.replace(cache=cache), s.step, tok, blp, rlp, lkm, ~s.done, st)
         return constrain_state(s.replace(step=s.step + 1, positions=s.positions + 1), mesh)
 

@@ -1,7 +1,7 @@
 """In-JAX sampler: jitted prefill + `lax.while_loop` decode that records exact log-probs.
 
 Axis alphabet: B rows (prompts * num_samples), P prompt length, T response length
-(= max_new_tokens), S cache length (= bucketed P + T), V vocab.
+(= max_new_tokens), S cache length (= P + T), V vocab.
 
 Per sampled token the sampler records three float32 log-quantities (0 on masked positions):
   raw_logp        log pi(y_t) over the full vocabulary at temperature 1 in the sampler's
@@ -26,19 +26,26 @@ what each rounds) and the KV cache's precision ("compute", "bfloat16", "fp8": mo
 The low-precision modes reproduce the train/inference mismatch of the paper's FP8-rollout
 experiment; every recorded log-prob is that of the rounded model that drew the token.
 
-Cost and compilation (the programs: decode.py): prompts are left-padded further to a
-power-of-two bucket. The prefill attends over the prompt only, and decode runs in up to 4
-segments (`decode_bounds`), each attending over the prompt and the response positions its
-bound allows, so a step costs what is filled (within 2x), not the whole budget; the KV cache
-is updated in place and zero-padded between segments. Temperature / top_p are traced, so a run
-compiles one prefill and <= 4 decode programs per (model, batch, bucket, max_new_tokens,
-num_samples, top_k, stop_ids, precision, kv cache, mesh).
+The sampler's copy of the params (`SamplerParams`, made by `prepare`): the params in the
+sample layout and in `precision`'s format. `sample` prepares it per call; `sample_prepared`
+takes one made once (per rollout batch: sampling/engine.py; LoRA's merge straight into the
+format: rl/lora_policy.py).
+
+Cost and compilation (the programs: decode.py): the prompts are taken at the width they come
+in; the prompt widths are data/batching.py's buckets (`PromptBatcher`, `bucket_width`), which
+the sampler does not pad further. The prefill attends over the prompt only, and decode runs in
+up to 4 segments (`decode_bounds`), each attending over the prompt and the response positions
+its bound allows, so a step costs what is filled (within 2x), not the whole budget; the KV
+cache is updated in place and zero-padded between segments. Temperature / top_p are traced,
+so a run compiles one prefill and <= 4 decode programs per (model, batch, prompt width,
+max_new_tokens, num_samples, top_k, stop_ids, precision, kv cache, mesh).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +59,6 @@ from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.sampling import decode as decode_lib
 from ess_jax.sampling import precision as precision_lib
 from ess_jax.sampling.decode import decode_bounds  # noqa: F401  (re-exported: part of the API)
-
-_MIN_BUCKET = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +99,20 @@ class SampleOutput:
     sequence_mask: jax.Array  # [B, P+T] bool: what the trainer teacher-forces on
 
 
-def bucket_length(p: int) -> int:
-    """Prompt width after bucketing: the next power of two, at least 16."""
-    return max(_MIN_BUCKET, 1 << max(p - 1, 0).bit_length())
+@dataclasses.dataclass(frozen=True)
+class SamplerParams:
+    """The sampler's copy of a policy: `params` in `precision`'s format (precision.FORMATS) and
+    in the sample layout on `mesh` (None: one device), for the model config `cfg` (a LoRA
+    policy's copy is merged: the plain model's config)."""
+
+    cfg: model_lib.ModelConfig
+    params: Any
+    precision: str
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        if self.precision not in precision_lib.PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} not in {precision_lib.PRECISIONS}")
 
 
 @functools.lru_cache(maxsize=32)
@@ -113,7 +129,8 @@ def programs(cfg: model_lib.ModelConfig, st: decode_lib.Static, mesh: Mesh | Non
 _compiled_keys: set = set()
 
 
-def _infer_mesh(params) -> Mesh | None:
+def params_mesh(params) -> Mesh | None:
+    """The mesh `params` live on, None for a single device."""
     sh = getattr(jax.tree.leaves(params)[0], "sharding", None)
     return sh.mesh if isinstance(sh, NamedSharding) and sh.mesh.size > 1 else None
 
@@ -129,7 +146,7 @@ def _place(x, mesh: Mesh | None):
 
 def sample_layout(cfg: model_lib.ModelConfig, params, mesh: Mesh | None = None):
     """`params` in the sampling layout (a copy unless they are there already)."""
-    mesh = mesh if mesh is not None else _infer_mesh(params)
+    mesh = mesh if mesh is not None else params_mesh(params)
     if mesh is None or mesh.size == 1:
         return params
     target = model_lib.param_shardings(cfg, mesh, "sample")
@@ -139,6 +156,24 @@ def sample_layout(cfg: model_lib.ModelConfig, params, mesh: Mesh | None = None):
     ):
         params = sharding_lib.reshard(params, target)
     return params
+
+
+def prepare(
+    cfg: model_lib.ModelConfig, params, precision: str = "float32", mesh: Mesh | None = None
+) -> SamplerParams:
+    """The sampler's copy of `params`: moved to the sample layout (a copy unless they are there
+    already; `mesh` default: the mesh the params live on, if any), then cast or quantized to
+    `precision` (precision.prepare_params; float32: no copy)."""
+    if precision not in precision_lib.PRECISIONS:
+        raise ValueError(f"precision {precision!r} not in {precision_lib.PRECISIONS}")
+    mesh = mesh if mesh is not None else params_mesh(params)
+    if mesh is None or mesh.size == 1:
+        mesh = None
+    else:
+        params = sample_layout(cfg, params, mesh)
+    if precision != "float32":
+        params = precision_lib.prepare_fn(precision)(params)
+    return SamplerParams(cfg, params, precision, mesh)
 
 
 def sample(
@@ -152,32 +187,42 @@ def sample(
     precision: str = "float32",
     mesh: Mesh | None = None,
     kv_cache: str = "compute",
-    prepared: bool = False,
 ) -> SampleOutput:
-    """Draw `sampling.num_samples` completions of each left-padded prompt.
+    """Draw `sampling.num_samples` completions of each left-padded prompt from `params`,
+    prepared for this call (`prepare`; `sample_prepared` says the rest).
 
-    `precision` is the sampler's numeric mode (precision.FORMATS), `kv_cache` its KV cache's
-    (KV_CACHE_PRECISIONS; "compute": the compute dtype). With a `mesh` (default: the mesh the
-    params live on, if any) the params are moved to the sample layout if they are not there
-    yet and the rows are split over the data axes; the numbers are the same as unsharded.
-    `prepared`: the params are already `precision`'s copy in the sample layout (LoRA's
-    merge, rl/lora_policy.py), used as they are.
+    `precision` is the sampler's numeric mode (precision.FORMATS). With a `mesh` (default: the
+    mesh the params live on, if any) the params are moved to the sample layout if they are
+    not there yet and the rows are split over the data axes; the numbers are the same as
+    unsharded."""
+    sp = prepare(cfg, params, precision, mesh)
+    return sample_prepared(sp, prompt_tokens_BxP, prompt_mask_BxP, sampling, rng, kv_cache=kv_cache)
+
+
+def sample_prepared(
+    sp: SamplerParams,
+    prompt_tokens_BxP,
+    prompt_mask_BxP,
+    sampling: SamplingConfig,
+    rng: jax.Array,
+    *,
+    kv_cache: str = "compute",
+) -> SampleOutput:
+    """Draw `sampling.num_samples` completions of each left-padded prompt from the sampler's
+    copy `sp`, used as it is: rows i*n .. i*n+n-1 are the samples of prompt i.
+
+    The prompts are taken at their width (data/batching.py buckets them); `kv_cache` is the KV
+    cache's precision (KV_CACHE_PRECISIONS; "compute": the compute dtype).
     """
-    if precision not in precision_lib.PRECISIONS:
-        raise ValueError(f"precision {precision!r} not in {precision_lib.PRECISIONS}")
     if kv_cache not in KV_CACHE_PRECISIONS:
         raise ValueError(f"kv_cache {kv_cache!r} not in {KV_CACHE_PRECISIONS}")
+    cfg, mesh = sp.cfg, sp.mesh
     mask_np = np.asarray(prompt_mask_BxP).astype(bool)
     tokens_np = np.asarray(prompt_tokens_BxP).astype(np.int32)
     if mask_np.ndim != 2 or mask_np.shape != tokens_np.shape:
         raise ValueError(f"prompt tokens {tokens_np.shape} and mask {mask_np.shape} must be BxP")
     if not mask_np[:, -1].all():
         raise ValueError("prompts must be left-padded: the last column must be real tokens")
-    b, p = tokens_np.shape
-    pad_id = int(cfg.pad_token_id or 0)
-    pb = bucket_length(p)
-    tokens_np = np.pad(tokens_np, ((0, 0), (pb - p, 0)), constant_values=pad_id)
-    mask_np = np.pad(mask_np, ((0, 0), (pb - p, 0)))
 
     stop_ids = sampling.stop_ids
     if stop_ids is None:
@@ -190,28 +235,20 @@ def sample(
         top_k=sampling.top_k,
         use_top_p=sampling.top_p < 1.0,
         stop_ids=tuple(sorted(set(stop_ids))),
-        pad_id=pad_id,
+        pad_id=int(cfg.pad_token_id or 0),
         kv_cache=kv_cache,
     )
-    mesh = mesh if mesh is not None else _infer_mesh(params)
-    if mesh is None or mesh.size == 1:
-        mesh = None
-    elif not prepared:
-        params = sample_layout(cfg, params, mesh)
-    sample_cfg = precision_lib.sample_config(cfg, precision)
-    if precision != "float32" and not prepared:
-        params = precision_lib.prepare_fn(precision)(params)
-
+    sample_cfg = precision_lib.sample_config(cfg, sp.precision)
     _compiled_keys.add((sample_cfg, st, mesh))
     prefill, decode = programs(sample_cfg, st, mesh)
     temperature = jnp.float32(max(sampling.temperature, 1e-6))
     top_p = jnp.float32(sampling.top_p)
-    state = prefill(params, _place(tokens_np, mesh), _place(mask_np, mesh), rng, temperature, top_p)
-    state = decode(params, state, temperature, top_p)
+    prompts, pmask = _place(tokens_np, mesh), _place(mask_np, mesh)
+    state = prefill(sp.params, prompts, pmask, rng, temperature, top_p)
+    state = decode(sp.params, state, temperature, top_p)
 
     n = sampling.num_samples
-    prompts = jnp.repeat(_place(tokens_np[:, pb - p :], mesh), n, axis=0)
-    pmask = jnp.repeat(_place(mask_np[:, pb - p :], mesh), n, axis=0)
+    prompts, pmask = jnp.repeat(prompts, n, axis=0), jnp.repeat(pmask, n, axis=0)
     return SampleOutput(
         tokens=state.tokens,
         response_mask=state.mask,
@@ -226,5 +263,5 @@ def sample(
 
 
 def compile_cache_size() -> int:
-    """Compiled decode programs held (tests use it to check that bucketing avoids recompiles)."""
+    """Compiled decode programs held (tests use it to count the programs per prompt width)."""
     return sum(programs(*key)[1].cache_size() for key in _compiled_keys)
