@@ -21,6 +21,7 @@ from conftest import tiny_model_cfg
 
 from configs import quickstart
 from ess_jax.config.schema import ConfigError, check
+from ess_jax.data import bucket_width
 from ess_jax.data.tokenizer import char_tokenizer
 from ess_jax.model import blockwise_decode, kv_cache, layers
 from ess_jax.model import decoder as model
@@ -86,11 +87,14 @@ def test_reads_only_the_filled_blocks():
 
 
 def _prompts():
+    """Two left-padded prompts of 20 and 14 tokens at their bucket's width (32), as a
+    PromptBatcher pads them."""
     rng = np.random.default_rng(1)
     prompts = rng.integers(3, 96, (2, 20)).astype(np.int32)
     mask = np.ones((2, 20), bool)
     mask[0, :6] = False
-    return prompts, mask
+    pad = ((0, 0), (bucket_width(20) - 20, 0))
+    return np.pad(prompts, pad), np.pad(mask, pad)
 
 
 @pytest.mark.parametrize("kv, tol, sharded", [("compute", 1e-5, False), ("fp8", 1e-4, True)])
