@@ -21,7 +21,15 @@ from ess_jax.config import schema
 from ess_jax.data import char_tokenizer
 from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.model import scoring
-from ess_jax.rl import actor_learner, async_cost, dynamic_sampling, experiment, preemption, train
+from ess_jax.rl import (
+    actor_learner,
+    async_cost,
+    device_split,
+    dynamic_sampling,
+    experiment,
+    preemption,
+    train,
+)
 from ess_jax.rl.metrics import read_metrics
 from ess_jax.rl.pacing import LagController
 
@@ -329,7 +337,7 @@ def test_async_with_several_processes_is_refused(monkeypatch):
     process to launch the same programs in the same order): one line naming train.mode."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(schema.ConfigError, match=r"config\.train\.mode: 'async' runs on one"):
-        actor_learner.check(tiny_config(**{"train.mode": "async"}))
+        device_split.check(tiny_config(**{"train.mode": "async"}))
 
 
 def test_cost_model_schedule_on_hand_computed_cases():

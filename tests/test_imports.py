@@ -181,3 +181,19 @@ def test_the_objectives_take_no_gradient():
         "g = jax.value_and_grad(f)\nh = jax.grad(f)\nk = metrics.grad\n"
     )
     assert _derivatives(planted) == ["2: import vjp", "3: jax...value_and_grad", "4: jax...grad"]
+
+
+def test_config_checks_import_none_of_the_async_runtime():
+    """What `ess_jax.main` imports to check a config before any run (rl.experiment, and
+    everything it imports, transitively) holds no module of the async runtime. Catches
+    experiment.validate reaching the actor-learner (its threads, queue, pacing and the whole
+    sampling stack) for the device split's check, which lives in rl.device_split."""
+    graph = _graph()
+    seen, todo = set(), ["rl.experiment"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += sorted(graph.get(m, ()))
+    assert "rl.device_split" in seen
+    assert not seen & {"rl.actor_learner", "rl.pacing", "rl.train", "rl.update"}, sorted(seen)

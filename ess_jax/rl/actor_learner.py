@@ -6,9 +6,9 @@
          +---- params version s, every train.sync_every steps ------+
                jax.device_put to the rollout mesh's sample layout (device to device)
 
-The devices split in two meshes (`meshes`): the first async_rollout_devices devices (default
-half) form the rollout mesh, (data, 1, async_rollout_tensor), whose params are in the sample
-layout (embed replicated, tensor-sharded); the rest form the train mesh, shaped by `mesh` as in
+The devices split in two meshes (`device_split.meshes`): the first async_rollout_devices
+devices (default half) form the rollout mesh, (data, 1, async_rollout_tensor), whose params
+are in the sample layout (embed replicated, tensor-sharded); the rest form the train mesh, shaped by `mesh` as in
 the sync loop. At the start of each step s that is a multiple of train.sync_every (once step
 s - 1's row is written) the trainer copies its params with one `jax.device_put` onto the
 rollout mesh's NamedShardings (no host round trip) and hands them to the sampler as version s
@@ -51,7 +51,7 @@ then the sampler is told to stop and joined.
 One process only: the sampler's programs run on a subset of the devices, and under JAX's
 multi-controller model every process must launch each program that spans its devices, in the
 same order; two threads per host issuing programs on two meshes at their own pace cannot keep
-that order across hosts (experiment.validate refuses the combination; docs/running.md).
+that order across hosts (device_split.check refuses the combination; docs/running.md).
 
 Peers read for the design (no code taken): verl's one-step-off-policy recipe (a rollout
 worker group one step ahead of the trainer, weights pushed by NCCL broadcast) and tunix's
@@ -71,10 +71,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ess_jax.config.schema import fail
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
-from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import dynamic_sampling, preemption
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl.pacing import LagController
@@ -85,54 +83,6 @@ POLL_S = 0.1  # how often a wait looks at the other side (stop flag, crashed thr
 
 class SamplerError(RuntimeError):
     """The sampler thread raised; the original exception is the cause."""
-
-
-def rollout_device_count(config, num_devices: int) -> int:
-    """Devices of the rollout mesh (0 for the sync loop); ConfigError if the split cannot be."""
-    t = config.train
-    if t.get("mode", "sync") != "async":
-        return 0
-    if num_devices < 2:
-        fail(
-            "train.mode",
-            f"'async' needs 2 devices or more (one per side), this host has {num_devices}; on "
-            "a CPU set XLA_FLAGS=--xla_force_host_platform_device_count=2",
-        )
-    n = int(t.async_rollout_devices) or num_devices // 2
-    if not 0 < n < num_devices:
-        fail(
-            "train.async_rollout_devices",
-            f"{n} leaves no device for the {'trainer' if n else 'sampler'} of {num_devices}",
-        )
-    if n % int(t.async_rollout_tensor):
-        fail("train.async_rollout_tensor", f"{t.async_rollout_tensor} does not divide {n}")
-    return n
-
-
-def check(config) -> None:
-    """What the async mode needs of the processes and devices (experiment.validate)."""
-    if config.train.get("mode", "sync") != "async":
-        return
-    if jax.process_count() > 1:
-        fail(
-            "train.mode",
-            f"'async' runs on one process, this run has {jax.process_count()}: the sampler's "
-            "and the trainer's programs would be launched in different orders on different "
-            "hosts (JAX multi-controller); use 'sync' (docs/running.md)",
-        )
-    rollout_device_count(config, jax.device_count())
-
-
-def meshes(config):
-    """(train mesh, rollout mesh or None): the sync loop's one mesh over every device, or the
-    async split (first devices: rollout, the rest: train, shaped by config.mesh)."""
-    devices = jax.devices()
-    n = rollout_device_count(config, len(devices))
-    if not n:
-        return sharding_lib.make_mesh(dict(config.mesh)), None
-    shape = {"data": -1, "tensor": int(config.train.async_rollout_tensor)}
-    rollout = sharding_lib.make_mesh(shape, devices=devices[:n])
-    return sharding_lib.make_mesh(dict(config.mesh), devices=devices[n:]), rollout
 
 
 def make_pacer(config) -> LagController | None:

@@ -27,7 +27,7 @@ from ess_jax.data import (
 )
 from ess_jax.model import decoder as model_lib
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import actor_learner
+from ess_jax.rl import device_split
 
 SYNTHETIC_TASKS = ("addition", "sort", "countdown")
 LOCAL_DATASETS = ("gsm8k", "deepscaler", "math")
@@ -38,7 +38,7 @@ def _mesh_sizes(config) -> dict[str, int]:
     n = jax.device_count()
     try:
         return sharding_lib.mesh_shape(
-            dict(config.mesh), n - actor_learner.rollout_device_count(config, n)
+            dict(config.mesh), n - device_split.rollout_device_count(config, n)
         )
     except ValueError as e:
         fail("mesh", str(e))
@@ -92,7 +92,7 @@ def validate(config) -> None:
         _check_checkpoint("rollout.external_checkpoint", r.external_checkpoint)
     _check_checkpoint("model.source", config.model.source)
     _check_experts(config)
-    actor_learner.check(config)  # one process, a device split that leaves both sides some
+    device_split.check(config)  # one process, a device split that leaves both sides some
     sizes = _mesh_sizes(config)
     data_ranks = sizes["data"] * sizes["fsdp"]
     per_update = config.data.prompts_per_step * r.group_size // config.train.updates_per_batch

@@ -22,7 +22,15 @@ from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import actor_learner, dynamic_sampling, experiment, lora_policy, preemption, steps
+from ess_jax.rl import (
+    actor_learner,
+    device_split,
+    dynamic_sampling,
+    experiment,
+    lora_policy,
+    preemption,
+    steps,
+)
 from ess_jax.rl import heldout as eval_lib
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl import sft as sft_lib
@@ -73,7 +81,7 @@ class Run:
             self._lock.release()
 
     def _build(self, config) -> None:
-        self.mesh, self.rollout_mesh = actor_learner.meshes(config)  # rollout: async only
+        self.mesh, self.rollout_mesh = device_split.meshes(config)  # rollout: async only
         self.model_cfg, params, self.tokenizer = experiment.load_policy(config.model, self.mesh)
         # model.lora: params become the adapters, the loaded weights the frozen base
         self.model_cfg, frozen, params = lora_policy.attach(
