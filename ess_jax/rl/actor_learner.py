@@ -6,11 +6,11 @@
          +---- params version s, every train.sync_every steps ------+
                jax.device_put to the rollout mesh's sample layout (device to device)
 
-The devices split in two meshes (`device_split.meshes`): the first async_rollout_devices
-devices (default half) form the rollout mesh, (data, 1, async_rollout_tensor), whose params
-are in the sample layout (embed replicated, tensor-sharded); the rest form the train mesh,
-shaped by `mesh` as in the sync loop. At the start of each step s that is a multiple of train.sync_every (once step
-s - 1's row is written) the trainer copies its params with one `jax.device_put` onto the
+The devices split in two meshes (`device_split.meshes`): the first async_rollout_devices devices
+(default half) form the rollout mesh, (data, 1, async_rollout_tensor), whose params are in the
+sample layout (embed replicated, tensor-sharded); the rest form the train mesh, shaped by `mesh`
+as in the sync loop. At the start of each step s that is a multiple of train.sync_every (once
+step s - 1's row is written) the trainer copies its params with one `jax.device_put` onto the
 rollout mesh's NamedShardings (no host round trip) and hands them to the sampler as version s
 (the number of steps trained). With model.lora a push copies the adapters alone: the rollout
 mesh gets its own copy of the frozen base once, when the sampler starts, and the sampler draws
