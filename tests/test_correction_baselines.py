@@ -298,8 +298,13 @@ def test_records_and_config():
     for name in ("dppo", "icepop", "seq_mis", "geo_rs"):
         with pytest.raises(ValueError, match="kl_estimator='full'"):
             O.paper_config(name, kl_estimator="full")
-    for bad in ({"geo_rs_low": 1.1}, {"icepop_low": -0.1}, {"seq_mis_high": 0.5}):
-        with pytest.raises(ValueError, match="need 0 <="):
+    # an inverted band breaks the rule between its edges; a negative edge, its own domain
+    for bad, message in (
+        ({"geo_rs_low": 1.1}, "need 0 <= geo_rs_low < geo_rs_high"),
+        ({"icepop_low": -0.1}, "icepop_low=-0.1: must be a number >= 0"),
+        ({"seq_mis_high": 0.5}, "need 0 <= seq_mis_low < seq_mis_high"),
+    ):
+        with pytest.raises(ValueError, match=message):
             O.ObjectiveConfig(**bad)
     with pytest.raises(ValueError, match="dppo_kl_tau"):
         O.ObjectiveConfig(dppo_kl_tau=-1.0)
