@@ -280,3 +280,16 @@ def test_disk_full_writing_a_metrics_row_names_the_file(tmp_path, monkeypatch):
     assert str(e.value).startswith(
         f"workdir {tmp_path}: {tmp_path}/metrics.jsonl: No space left on device [errno 28]; "
     )
+
+
+def test_each_rows_tensorboard_events_are_on_disk_when_write_returns(tmp_path):
+    """Catches TensorBoard events written through a queue and a thread (tensorboardX's
+    SummaryWriter, whose flush() does not drain its queue and whose thread flushes at most
+    every 120 s): a kill -9 right after a row then kept the row in metrics.jsonl and lost its
+    events, and a resume cannot rewrite a row before its checkpoint (test_preemption's kill -9
+    of a LoRA run failed that way, now and then)."""
+    writer = MetricsWriter(str(tmp_path), resume_step=0)
+    for step in range(3):
+        writer.write({"step": step, "reward_mean": 0.25 * step, "ess": 0.5})
+        assert_tensorboard_holds_the_rows(tmp_path)  # before any close
+    writer.close()

@@ -63,12 +63,17 @@ class MetricsWriter:
         if resume_step is not None:
             self.truncate_from(resume_step)
         if tensorboard:
-            from tensorboardX import SummaryWriter  # tensorboard events without TensorFlow
+            # tensorboardX's EventsWriter, not its SummaryWriter: the SummaryWriter hands events
+            # to a thread through a queue and its flush() does not drain that queue, so a kill -9
+            # right after a row could keep the row in metrics.jsonl and lose its events. Here
+            # each row's events are on disk (flushed to the OS) when write() returns.
+            from tensorboardX.event_file_writer import EventsWriter
 
             tb = os.path.join(workdir, "tb")
             if resume_step is not None:
                 purge_tensorboard(tb, resume_step)
-            self._tb = SummaryWriter(tb)
+            os.makedirs(tb, exist_ok=True)
+            self._tb = EventsWriter(os.path.join(tb, "events"))
 
     def truncate_from(self, step: int) -> None:
         """Drop rows of step >= `step` (a resumed run rewrites them identically); a cut last
@@ -100,9 +105,14 @@ class MetricsWriter:
         except OSError as e:  # a failed write() names no file
             raise OSError(e.errno, e.strerror, e.filename or self.path) from e
         if self._tb is not None:
+            from tensorboardX.proto.event_pb2 import Event
+            from tensorboardX.summary import scalar
+
+            now = time.time()
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, row["step"])
+                    event = Event(wall_time=now, step=int(row["step"]), summary=scalar(k, v))
+                    self._tb.write_event(event)
             self._tb.flush()
 
     def close(self) -> None:
