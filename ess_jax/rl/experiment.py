@@ -110,14 +110,15 @@ def validate(config) -> None:
 
 
 def num_experts(source: str) -> int:
-    """The experts per sparse layer of the checkpoint `source` (its config.json's num_experts,
-    or num_local_experts as transformers also writes it); 0 for a dense or embedded model."""
+    """The experts per sparse layer of the checkpoint `source`, as loading reads them from its
+    config.json (io.weights.config_from_hf); 0 for a dense or embedded model."""
     path = os.path.join(str(source), "config.json")
     if not os.path.isfile(path):
         return 0
+    from ess_jax.io import weights  # heavy imports (safetensors, gguf) only when needed
+
     with open(path) as f:
-        hf = json.load(f)
-    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        return weights.config_from_hf(json.load(f)).num_experts
 
 
 def _check_experts(config) -> None:
