@@ -59,10 +59,10 @@ def _run(config, workdir, learn_hook=None, reward=coin_reward, steps_of=None):
     in rollout fields only: the steps do not read them)."""
     run = train.Run(config, str(workdir))
     run.reward_fn = reward
-    run.learner.compiled = _STEPS.setdefault(str(steps_of or config), {})
+    run.trainer.learner.compiled = _STEPS.setdefault(str(steps_of or config), {})
     if learn_hook is not None:
-        real = run.learn
-        run.learn = lambda step, *a: learn_hook(run, step, real, *a)
+        real = run.trainer.learn
+        run.trainer.learn = lambda step, *a: learn_hook(run, step, real, *a)
     return run
 
 
@@ -71,13 +71,13 @@ def _sampler_threads():
 
 
 def test_sync_rows_are_unchanged_by_the_dispatch_and_the_async_fields(tmp_path):
-    """Catches the sync loop changing under train.mode: `Run.run` (through `loop_for`, with
+    """Catches the sync loop changing under train.mode: `Run.run` (through `Run.loop`, with
     every async field set to a non-default value, mode "sync") must write the rows that the
     sync step function `Run.rl_step`, called step by step, computes (timings aside)."""
     plain = tiny_config(**{"train.steps": 2})
     ref = _run(plain, tmp_path / "ref")
     ref.sft()
-    ref.history.push(0, ref.state.params)
+    ref.trainer.history.push(0, ref.trainer.state.params)
     ref_rows = [ref.rl_step(s) for s in range(2)]
     ref.close()
     knobs = {
@@ -89,7 +89,7 @@ def test_sync_rows_are_unchanged_by_the_dispatch_and_the_async_fields(tmp_path):
     }
     run = _run(tiny_config(**knobs), tmp_path / "run")
     # the same programs: the configs differ in async fields only
-    run.learner.compiled = ref.learner.compiled
+    run.trainer.learner.compiled = ref.trainer.learner.compiled
     assert run.rollout_mesh is None and run.mesh.size == 8
     run.run()
     rows = read_metrics(tmp_path / "run")
@@ -104,11 +104,11 @@ def stale_async_run(config, workdir, reward=coin_reward, steps_of=None):
 
     def hook(run, step, learn, rollout, metrics, version, params_b, t0):
         if not params:
-            params[step] = jax.device_get(run.state.params)  # version `step` (the start)
+            params[step] = jax.device_get(run.trainer.state.params)  # version `step` (the start)
         time.sleep(0.3)
         batches.append((step, version, rollout))
         row = learn(step, rollout, metrics, version, params_b, t0)
-        params[step + 1] = jax.device_get(run.state.params)
+        params[step + 1] = jax.device_get(run.trainer.state.params)
         return row
 
     run = _run(config, workdir, hook, reward, steps_of)

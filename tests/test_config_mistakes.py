@@ -323,13 +323,13 @@ def test_the_training_loop_logs_the_watchers_warnings(tmp_path, monkeypatch, cap
     """Catches the watcher not wired into the loop (or fed another row than the step's): RL
     steps whose rows say every group is constant, the policy uniform, log both warnings once.
     The steps, checkpoints and plot are stubbed: only the loop around them runs."""
-    from ess_jax.rl import train
+    from ess_jax.rl import actor_learner, train
 
     def rl_step(self, step):
-        v = self.model_cfg.vocab_size
+        v = self.trainer.learner.ucfg.model.vocab_size
         return {**row(step, math.log(v), 1.0), "reward_mean": 0.0, "ess": 1.0, "loss": 0.0}
 
-    monkeypatch.setattr(train.Run, "rl_step", rl_step)
+    monkeypatch.setattr(actor_learner.SyncLoop, "step", rl_step)
     monkeypatch.setattr(train.Run, "save", lambda self, step, force=False: None)
     monkeypatch.setattr(train, "plot_run", lambda workdir: "")
     steps = {"train.steps": health.CONSTANT_STEPS, "train.checkpoint_every": 100}

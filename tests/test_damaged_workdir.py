@@ -172,7 +172,7 @@ def test_resume_past_train_steps_is_refused_and_changes_nothing(tmp_path):
     changed."""
     run = train.Run(config(**{"train.steps": 4}), str(tmp_path))
     try:
-        run.history.push(0, run.state.params)
+        run.trainer.history.push(0, run.trainer.state.params)
         run.save(4, force=True)
     finally:
         run.close()

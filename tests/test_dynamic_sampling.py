@@ -51,7 +51,7 @@ def run(tmp_path_factory):
     the reward, the cap and the data position, none of which recompiles anything."""
     c = tiny_config(**{"rollout.dynamic_sampling": True, "rollout.max_resample_rounds": 2})
     r = train.Run(c, str(tmp_path_factory.mktemp("ds")))
-    r.history.push(0, sharding.reshard(r.state.params, r.sample_sh))
+    r.trainer.history.push(0, sharding.reshard(r.trainer.state.params, r.sample_sh))
     yield r
     r.close()
 
@@ -63,7 +63,7 @@ def one_step(run, monkeypatch, step, mixed, max_rounds):
     preview = PromptBatcher(
         run.train_examples, run.tokenizer, 2, buckets=tuple(run.config.data.buckets)
     )
-    preview.restore(run.batcher.state())
+    preview.restore(run.trainer.batcher.state())
     rounds = [next(preview) for _ in range(max(max_rounds, *(i for i, _ in mixed)) + 1)]
     run.reward_fn = first_of_group_reward({rounds[i]["examples"][j]["prompt"] for i, j in mixed})
     run.rollout_cfg.max_resample_rounds = max_rounds
@@ -80,7 +80,7 @@ def one_step(run, monkeypatch, step, mixed, max_rounds):
         batches.append(out[0])
         return out
 
-    start = run.batcher.state()
+    start = run.trainer.batcher.state()
     with monkeypatch.context() as m:
         m.setattr(rollout, "collect", collect)
         m.setattr(dynamic_sampling, "collect_batch", collect_batch)
@@ -128,8 +128,8 @@ def test_extra_rounds_refill_constant_groups_in_order(run, monkeypatch):
         "ds_rounds": 3, "ds_groups_kept": 2, "ds_groups_masked": 0, "ds_frac_constant": 0.5,
     }  # fmt: skip
     assert row["reward_mean"] == pytest.approx(float(np.mean(r0.rewards)))  # 1 / 8
-    assert run.batcher.state()["position"] - start["position"] == 3 * 2
-    assert run.batcher.state()["epoch"] == start["epoch"]
+    assert run.trainer.batcher.state()["position"] - start["position"] == 3 * 2
+    assert run.trainer.batcher.state()["epoch"] == start["epoch"]
 
     # round 0 has no constant group: no extra round, the batch is round 0's
     row, batch, calls, *_ = one_step(run, monkeypatch, 1, mixed={(0, 0), (0, 1)}, max_rounds=2)
@@ -140,13 +140,13 @@ def test_extra_rounds_refill_constant_groups_in_order(run, monkeypatch):
 def test_cap_on_rounds_masks_what_is_left_with_a_warning(run, monkeypatch, caplog):
     """Catches: a cap off by one (a round more than rollout.max_resample_rounds), an unfilled
     slot left out of the batch or trained on (its loss mask must be zero), no warning."""
-    start_position = run.batcher.state()["position"]
+    start_position = run.trainer.batcher.state()["position"]
     with caplog.at_level(logging.WARNING):
         row, batch, calls, *_ = one_step(
             run, monkeypatch, 2, mixed={(0, 1), (2, 0), (2, 1)}, max_rounds=1
         )
     assert len(calls) == 2  # rounds 0 and 1; round 2 (which would fill it) is never drawn
-    assert run.batcher.state()["position"] - start_position == 2 * 2
+    assert run.trainer.batcher.state()["position"] - start_position == 2 * 2
     r0 = calls[0][2]
     for i in (0, 1):
         assert_same_group(batch, i, r0, i)

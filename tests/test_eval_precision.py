@@ -34,9 +34,10 @@ def lora_run(tmp_path_factory):
     run.reward_fn = coin_reward
     key = jax.random.key(3)
     params = jax.tree.map(
-        lambda x: x if x.any() else x + 0.3 * jax.random.normal(key, x.shape), run.state.params
+        lambda x: x if x.any() else x + 0.3 * jax.random.normal(key, x.shape),
+        run.trainer.state.params,
     )
-    run.state = run.state.replace(params=params)
+    run.trainer.state = run.trainer.state.replace(params=params)
     yield run
     run.close()
 
@@ -68,7 +69,7 @@ def test_float32_eval_rows_are_those_of_a_config_without_the_field(lora_run):
     run.config.eval.precision = "float32"
     got = run.evaluate(1)
     ecfg = ml_collections.ConfigDict({k: v for k, v in run.config.eval.items() if k != "precision"})
-    full = lora_policy.merged(run.model_cfg, run.state.frozen, run.state.params)
+    full = lora_policy.merged(run.model_cfg, run.trainer.state.frozen, run.trainer.state.params)
     engine = JaxEngine(lora.base_config(run.model_cfg))
     engine.update_params(1, full)
     rng = jax.random.fold_in(jax.random.fold_in(run.rng, 2), 1)

@@ -308,15 +308,15 @@ def test_loop_rescores_the_params_the_sampler_held(tmp_path, monkeypatch):
 
     def settle(lag, n_upd):  # the update settings a run with this lag and U would build
         full = FullKL.for_run(run.objective_cfg, run.rollout_cfg, lag, n_upd, run.external)
-        monkeypatch.setattr(run.learner, "updates_per_batch", n_upd)
-        monkeypatch.setattr(run.learner, "full_kl", full)
+        monkeypatch.setattr(run.trainer.learner, "updates_per_batch", n_upd)
+        monkeypatch.setattr(run.trainer.learner, "full_kl", full)
 
     rows = [run.rl_step(0)]
     settle(0, 2)
     rows.append(run.rl_step(1))
     lagged = rollout.ParamHistory(1)
-    version1 = jax.device_put(updates[1][0], run.state_sh.params)
-    lagged.restore([(1, version1), (2, run.state.params)])
+    version1 = jax.device_put(updates[1][0], run.trainer.state_sh.params)
+    lagged.restore([(1, version1), (2, run.trainer.state.params)])
     monkeypatch.setattr(run, "history", lagged)
     settle(1, 2)
     rows.append(run.rl_step(2))

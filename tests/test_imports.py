@@ -197,3 +197,18 @@ def test_config_checks_import_none_of_the_async_runtime():
             todo += sorted(graph.get(m, ()))
     assert "rl.device_split" in seen
     assert not seen & {"rl.actor_learner", "rl.pacing", "rl.train", "rl.update"}, sorted(seen)
+
+
+def test_the_loops_see_the_trainer_and_the_collector_not_run():
+    """Catches the loops coupled back to `Run` (rl/train.py): actor_learner.py, trainer.py
+    and collect.py must not import rl.train, and no function of theirs may take a `run`
+    argument or read attributes off a name `run` (the actor-learner once read 14 of Run's
+    attributes and wrote one)."""
+    for name in ("actor_learner", "trainer", "collect"):
+        path = PKG / "rl" / f"{name}.py"
+        assert not [m for m, _ in _imports(path) if m in ("rl.train", "rl")], name
+        for node in _nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.arg):
+                assert node.arg != "run", (name, node.lineno)
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", "") == "run":
+                raise AssertionError(f"{name}.py:{node.lineno} reads run.{node.attr}")

@@ -122,7 +122,7 @@ def _step_with_knobs(knob_run, monkeypatch, **knobs):
     ext = rollout.external_engine(run.external.cfg, run.external.params, rcfg)
     monkeypatch.setattr(run, "external", ext)
     rollouts = _record_rollouts(monkeypatch)
-    params = jax.device_get(run.state.params)
+    params = jax.device_get(run.trainer.state.params)
     step = knob_run["step"]
     knob_run["step"] += 1
     row = run.rl_step(step)

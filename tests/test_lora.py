@@ -264,8 +264,8 @@ def lora_run(tmp_path_factory):
     """A LoRA run (lag 0) after two RL steps: its rows, base params before, and the Run."""
     run = train.Run(_config(), str(tmp_path_factory.mktemp("lora_run")))
     run.reward_fn = coin_reward
-    base_before = jax.tree.map(np.asarray, run.state.frozen)
-    run.history.push(0, run.state.params)
+    base_before = jax.tree.map(np.asarray, run.trainer.state.frozen)
+    run.trainer.history.push(0, run.trainer.state.params)
     rows = [run.rl_step(s) for s in range(2)]
     yield run, rows, base_before
     run.close()
@@ -280,7 +280,7 @@ def test_on_policy_ess_stays_one_with_merged_sampler_weights(lora_run):
         assert abs(row["ess"] - 1.0) < 1e-5, row
         assert abs(row["ratio_max"] - 1.0) < 1e-5, row
     assert rows[0]["grad_norm"] > 0  # not vacuous: the adapters moved before step 1
-    assert any(b.any() for *_, b in lora.pairs(run.state.params))
+    assert any(b.any() for *_, b in lora.pairs(run.trainer.state.params))
 
 
 def test_base_is_frozen_and_the_optimizer_holds_adapters_only(lora_run):
@@ -288,12 +288,14 @@ def test_base_is_frozen_and_the_optimizer_holds_adapters_only(lora_run):
     (its moments would hold the base's shapes) and a state that leaks the base into the
     differentiated params."""
     run, _, base_before = lora_run
-    jax.tree.map(np.testing.assert_array_equal, base_before, jax.device_get(run.state.frozen))
-    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(run.state.params)]
+    jax.tree.map(
+        np.testing.assert_array_equal, base_before, jax.device_get(run.trainer.state.frozen)
+    )
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(run.trainer.state.params)]
     assert all(p[-3].key == "lora" and p[-1].key in ("a", "b") for p in paths)
-    n_adapters = sum(x.size for x in jax.tree.leaves(run.state.params))
+    n_adapters = sum(x.size for x in jax.tree.leaves(run.trainer.state.params))
     assert n_adapters == lora.num_adapter_params(run.model_cfg)
-    opt_sizes = [x.size for x in jax.tree.leaves(run.state.opt_state) if x.ndim > 0]
+    opt_sizes = [x.size for x in jax.tree.leaves(run.trainer.state.opt_state) if x.ndim > 0]
     assert sum(opt_sizes) == 2 * n_adapters  # Adam's mu and nu, adapters only
 
 

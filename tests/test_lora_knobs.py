@@ -76,10 +76,12 @@ def knob_run(tmp_path_factory):
     rng = np.random.default_rng(7)  # B != 0: the merged policy is not the base
     bumped = jax.tree.map(
         lambda x: x if x.any() else np.float32(0.3 * rng.normal(size=x.shape)),
-        jax.device_get(run.state.params),
+        jax.device_get(run.trainer.state.params),
     )
-    run.state = run.state.replace(params=jax.device_put(bumped, run.state_sh.params))
-    rec = dict(run=run, external=external, frozen=jax.device_get(run.state.frozen))
+    run.trainer.state = run.trainer.state.replace(
+        params=jax.device_put(bumped, run.trainer.state_sh.params)
+    )
+    rec = dict(run=run, external=external, frozen=jax.device_get(run.trainer.state.frozen))
     rec.update(rollouts=[], draws=[], updates=[], scored=[], versions=[bumped])
     real_collect, real_generate = rollout.collect, JaxEngine.generate
     real_make, real_score = update.make_rl_step, steps.score_fn
@@ -116,7 +118,7 @@ def knob_run(tmp_path_factory):
         score = real_score(*args)
 
         def recorded(params, batch):
-            frozen_ids = {id(x) for x in jax.tree.leaves(run.state.frozen)}
+            frozen_ids = {id(x) for x in jax.tree.leaves(run.trainer.state.frozen)}
             rec["scored"].append((params, frozen_ids))
             return score(params, batch)
 
@@ -127,11 +129,11 @@ def knob_run(tmp_path_factory):
         mp.setattr(JaxEngine, "generate", generate)
         mp.setattr(update, "make_rl_step", make_rl_step)
         mp.setattr(steps, "score_fn", score_fn)
-        run.history.push(0, run.state.params)
+        run.trainer.history.push(0, run.trainer.state.params)
         rec["rows"] = []
         for s in range(2):
             rec["rows"].append(run.rl_step(s))
-            rec["versions"].append(jax.device_get(run.state.params))
+            rec["versions"].append(jax.device_get(run.trainer.state.params))
         for precision in LOW_PRECISIONS:  # step 2's draw, in each format, then stop
             rcfg = run.rollout_cfg.copy_and_resolve_references()
             rcfg.precision = precision
@@ -239,10 +241,12 @@ def test_the_run_keeps_the_base_frozen_and_its_rows_finite(knob_run):
     off-policy knobs visible (ESS < 1, lag 1 at step 1)."""
     run, rows = knob_run["run"], knob_run["rows"]
     jax.tree.map(
-        np.testing.assert_array_equal, jax.device_get(run.state.frozen), knob_run["frozen"]
+        np.testing.assert_array_equal, jax.device_get(run.trainer.state.frozen), knob_run["frozen"]
     )
-    moments = [x.shape for x in jax.tree.leaves(run.state.opt_state) if x.ndim > 0]
-    assert sorted(moments) == sorted(2 * [x.shape for x in jax.tree.leaves(run.state.params)])
+    moments = [x.shape for x in jax.tree.leaves(run.trainer.state.opt_state) if x.ndim > 0]
+    assert sorted(moments) == sorted(
+        2 * [x.shape for x in jax.tree.leaves(run.trainer.state.params)]
+    )
     for row in rows:
         bad = {k: v for k, v in row.items() if isinstance(v, float) and not np.isfinite(v)}
         assert not bad, (row["step"], bad)

@@ -77,7 +77,7 @@ B, G, P, T = 8, 4, 4, 4  # rows, group, prompt and response length
 @pytest.fixture(scope="module")
 def lora_steps():
     """Each kind's real LoRA step on one batch, twice: with pi_prox scored from the adapters
-    the step starts from (as Run.learn does) and with a pi_prox of the wrong params (the
+    the step starts from (as Trainer.learn does) and with a pi_prox of the wrong params (the
     lagged adapters). Returns (cfg, frozen, adapters, lagged, batch, {name: (right, wrong)}),
     each result (state, metrics) as numpy."""
     cfg = lora.with_lora(tiny_model_cfg(), RANK, ALPHA, lora.TARGETS)

@@ -121,7 +121,7 @@ def test_dual_cap_uses_min_of_both_ess_vs_float64(version):
 def _start(config, workdir):
     run = train.Run(config, str(workdir))
     run.reward_fn = coin_reward
-    run.history.push(0, sharding.reshard(run.state.params, run.sample_sh))
+    run.trainer.history.push(0, sharding.reshard(run.trainer.state.params, run.sample_sh))
     return run
 
 
@@ -144,10 +144,10 @@ def test_lag_k_samples_come_from_the_params_after_update_s_minus_k(tmp_path, mon
     k, n_steps = 2, 5
     run = _start(tiny_config(**{"rollout.lag": k, "optim.lr": 1e-2}), tmp_path)
     rollouts = _record_rollouts(monkeypatch)
-    saved = [jax.device_get(run.state.params)]  # saved[v]: the params after update v
+    saved = [jax.device_get(run.trainer.state.params)]  # saved[v]: the params after update v
     for s in range(n_steps):
         run.rl_step(s)
-        saved.append(jax.device_get(run.state.params))
+        saved.append(jax.device_get(run.trainer.state.params))
     for s, r in enumerate(rollouts):
         mask = r.loss_mask > 0
         resp = r.behaviour_logp.shape[1]

@@ -160,8 +160,8 @@ def qlora_run(tmp_path_factory):
     rows, base before, Run."""
     run = train.Run(_qconfig(), str(tmp_path_factory.mktemp("qlora_run")))
     run.reward_fn = coin_reward
-    base_before = jax.tree.map(np.asarray, run.state.frozen)
-    run.history.push(0, run.state.params)
+    base_before = jax.tree.map(np.asarray, run.trainer.state.frozen)
+    run.trainer.history.push(0, run.trainer.state.params)
     rows = [run.rl_step(s) for s in range(2)]
     run.save(2, force=True)
     run.ckpt.wait()
@@ -180,19 +180,21 @@ def test_three_rl_steps_on_an_int4_base_keep_ess_one(qlora_run):
         assert abs(row["ratio_max"] - 1.0) < 1e-5, row
         assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]), row
     assert rows[0]["grad_norm"] > 0
-    assert any(b.any() for *_, b in lora.pairs(run.state.params))
+    assert any(b.any() for *_, b in lora.pairs(run.trainer.state.params))
 
 
 def test_int4_base_stays_frozen_and_the_optimizer_holds_adapters_only(qlora_run):
     """Catches a base that is re-quantized or moves during training, a float copy of it kept
     in the state instead of the int4 codes, and optimizer moments of anything but adapters."""
     run, _, base_before = qlora_run
-    jax.tree.map(np.testing.assert_array_equal, base_before, jax.device_get(run.state.frozen))
-    q = run.state.frozen["layers"][0]["attn"]["q"]
+    jax.tree.map(
+        np.testing.assert_array_equal, base_before, jax.device_get(run.trainer.state.frozen)
+    )
+    q = run.trainer.state.frozen["layers"][0]["attn"]["q"]
     assert q["codes"].dtype == jnp.int4 and q["scale"].dtype == jnp.float32
-    n_adapters = sum(x.size for x in jax.tree.leaves(run.state.params))
+    n_adapters = sum(x.size for x in jax.tree.leaves(run.trainer.state.params))
     assert n_adapters == lora.num_adapter_params(run.model_cfg)
-    opt_sizes = [x.size for x in jax.tree.leaves(run.state.opt_state) if x.ndim > 0]
+    opt_sizes = [x.size for x in jax.tree.leaves(run.trainer.state.opt_state) if x.ndim > 0]
     assert sum(opt_sizes) == 2 * n_adapters
 
 
@@ -206,8 +208,8 @@ def test_resume_on_an_int4_base_is_exact(tmp_path, qlora_run):
     try:
         resumed.reward_fn = coin_reward
         assert resumed.try_restore() == 2
-        if not resumed.history.state():  # as train.run does
-            resumed.history.push(2, resumed.state.params)
+        if not resumed.trainer.history.state():  # as train.run does
+            resumed.trainer.history.push(2, resumed.trainer.state.params)
         row = resumed.rl_step(2)
     finally:
         resumed.close()

@@ -68,7 +68,9 @@ def test_no_compilation_after_the_first_rl_step(tmp_path, monkeypatch, overrides
     monkeypatch.setattr(dynamic_sampling, "collect_batch", collect)
     run = train.Run(c, str(tmp_path))
     run.reward_fn = coin_reward
-    run.history.push(0, run.state.params)  # as Run.run does: version 0 in the train layout
+    run.trainer.history.push(
+        0, run.trainer.state.params
+    )  # as Run.run does: version 0 in the train layout
 
     # warm-up, in Run.run's order: eval at step 0, then the first step compiles everything
     with compiled_functions() as warm:

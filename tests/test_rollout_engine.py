@@ -130,7 +130,7 @@ def test_the_sync_loop_draws_through_a_given_engine(tmp_path, monkeypatch):
     monkeypatch.setattr(dynamic_sampling, "collect_batch", collect_batch)
     try:
         run.reward_fn = coin_reward
-        run.history.push(0, run.state.params)
+        run.trainer.history.push(0, run.trainer.state.params)
         row = run.rl_step(0)
     finally:
         run.close()

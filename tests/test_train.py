@@ -14,7 +14,7 @@ from ess_jax import objectives as O
 from ess_jax.io import weights
 from ess_jax.model import decoder as model
 from ess_jax.parallel import sharding
-from ess_jax.rl import rollout, train
+from ess_jax.rl import actor_learner, rollout, train
 from ess_jax.rl import update as U
 from ess_jax.rl.metrics import read_metrics
 
@@ -45,7 +45,7 @@ def first_rows(config, workdir, steps=1):
     run = train.Run(config, str(workdir))
     run.reward_fn = coin_reward
     run.sft()
-    run.history.push(0, sharding.reshard(run.state.params, run.sample_sh))
+    run.trainer.history.push(0, sharding.reshard(run.trainer.state.params, run.sample_sh))
     return [run.rl_step(s) for s in range(steps)]
 
 
@@ -174,32 +174,32 @@ def test_nonfinite_updates_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(U, "step_loss_and_grad", poisoned)
     run = train.Run(tiny_config(), str(tmp_path))
-    before = jax.device_get(run.state.params)
-    run.history.push(0, sharding.reshard(run.state.params, run.sample_sh))
+    before = jax.device_get(run.trainer.state.params)
+    run.trainer.history.push(0, sharding.reshard(run.trainer.state.params, run.sample_sh))
     rows = [run.rl_step(0), run.rl_step(1)]
     assert [r["skipped"] for r in rows] == [1, 1]
     with pytest.raises(train.NonFiniteError, match="3 updates in a row"):
         run.rl_step(2)
-    after = jax.device_get(run.state.params)
+    after = jax.device_get(run.trainer.state.params)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)  # never overwritten with NaNs
-    assert int(run.state.step) == 0
+    assert int(run.trainer.state.step) == 0
 
 
 def test_ctrl_c_saves_a_checkpoint_and_the_run_resumes(tmp_path, monkeypatch):
     c = tiny_config(**{"train.steps": 3, "train.checkpoint_every": 100})
-    real = train.Run.rl_step
+    real = actor_learner.SyncLoop.step
 
     def interrupted(self, step):
         if step == 2:
             raise KeyboardInterrupt
         return real(self, step)
 
-    monkeypatch.setattr(train.Run, "rl_step", interrupted)
+    monkeypatch.setattr(actor_learner.SyncLoop, "step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         train.run(c, str(tmp_path))
     assert train.Checkpointer(str(tmp_path / "checkpoints")).latest_step() == 2
-    monkeypatch.setattr(train.Run, "rl_step", real)
+    monkeypatch.setattr(actor_learner.SyncLoop, "step", real)
     train.run(c, str(tmp_path))
     steps = [r["step"] for r in read_metrics(tmp_path) if "reward_mean" in r]
     assert steps == [0, 1, 2]

@@ -17,7 +17,7 @@ Prints the terms, then the model's prediction for runs 2 and 3 (async_cost.simul
 what was measured, and the speed-up over run 1 predicted and measured.
 
 Seconds per step are the median of the gaps between consecutive trainer steps (the time from
-one `Run.learn` start to the next), which includes the waits. On CPU devices the two sides
+one `Trainer.learn` start to the next), which includes the waits. On CPU devices the two sides
 share the host's cores: the measured speed-up there tests the model's contention-free
 assumption as much as the schedule. XLA:CPU gives no way to run each side on a core of its
 own: both meshes' programs run on the process's one thread pool, which uses every core the
@@ -90,13 +90,13 @@ def _timed(config):
 
     with tempfile.TemporaryDirectory(prefix="async_cost_") as wd:
         run = train.Run(config, wd)
-        starts, real = [], run.learn
+        starts, real = [], run.trainer.learn
 
         def learn(step, *a):
             starts.append(time.perf_counter())
             return real(step, *a)
 
-        run.learn = learn
+        run.trainer.learn = learn
         run.run()
         rows = [r for r in read_metrics(wd) if "reward_mean" in r]
     return rows, starts

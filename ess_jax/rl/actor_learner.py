@@ -73,10 +73,12 @@ import numpy as np
 
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
-from ess_jax.rl import dynamic_sampling, preemption
+from ess_jax.rl import preemption
 from ess_jax.rl import rollout as rollout_lib
+from ess_jax.rl.collect import Collector
 from ess_jax.rl.pacing import LagController
-from ess_jax.sampling.engine import RolloutEngine
+from ess_jax.rl.trainer import Trainer
+from ess_jax.sampling.engine import JaxEngine, RolloutEngine
 
 POLL_S = 0.1  # how often a wait looks at the other side (stop flag, crashed thread)
 
@@ -108,12 +110,12 @@ class Batch:
 
 class Sampler:
     """The host thread that fills the queue (module docstring): each batch drawn by `engine`
-    (`external`: the external model's engine). `publish` hands it params, `set_budget` the lag
-    budget; `next_batch` is the trainer's side."""
+    (`external`: the external model's engine) through `collector`, the sync loop's collection.
+    `publish` hands it params, `set_budget` the lag budget; `next_batch` is the trainer's side."""
 
     def __init__(
         self,
-        run,
+        collector: Collector,
         batcher,
         engine: RolloutEngine,
         external: RolloutEngine | None,
@@ -124,7 +126,7 @@ class Sampler:
         budget,
         capacity,
     ):
-        self._run, self._batcher, self._budget = run, batcher, budget
+        self._collector, self._batcher, self._budget = collector, batcher, budget
         self._engine, self._external = engine, external
         self._frozen = frozen  # model.lora: the base on the rollout mesh (`params`: adapters)
         self._version, self._params = version, params
@@ -204,31 +206,32 @@ class Sampler:
 
     def _collect(self, k: int, version: int, params) -> Batch:
         """Batch k, drawn by the engine with `params` pushed as `version` for it."""
-        run = self._run
         t0 = time.perf_counter()
-        rng = jax.random.fold_in(jax.random.fold_in(run.rng, 1), k)  # the sync loop's key
-        self._engine.update_params(version, lora.join(self._frozen, params))
-        try:
-            rollout, metrics = dynamic_sampling.collect_batch(
-                self._engine,
-                self._batcher,
-                run.tokenizer,
-                run.reward_fn,
-                run.rollout_cfg,
-                rng,
-                external=self._external,
-            )
-        finally:
-            self._engine.release()
+        rollout, metrics = self._collector.collect(
+            self._engine,
+            self._batcher,
+            k,
+            version,
+            lora.join(self._frozen, params),
+            external=self._external,
+        )
         data = self._batcher.state()
         return Batch(k, version, rollout, metrics, data, time.perf_counter() - t0)
 
 
 class SyncLoop:
-    """train.mode "sync": each step samples then trains (`Run.rl_step`); nothing to start."""
+    """train.mode "sync": each step draws its batch with the behaviour version, then trains on
+    it; nothing runs between steps."""
 
-    def __init__(self, run):
-        self.step = run.rl_step
+    def __init__(
+        self,
+        trainer: Trainer,
+        collector: Collector,
+        engine: RolloutEngine,
+        external: RolloutEngine | None,
+    ):
+        self.trainer, self.collector = trainer, collector
+        self.engine, self.external = engine, external
 
     def start(self, start: int) -> None:
         pass
@@ -236,23 +239,49 @@ class SyncLoop:
     def stop(self) -> None:
         pass
 
+    def step(self, step: int) -> dict:
+        t0, trainer = time.perf_counter(), self.trainer
+        trainer.begin_step()
+        version, params_b, sampler_params = trainer.behaviour()
+        with preemption.interruptible():  # a signal: the step is redone from its start state
+            rollout, metrics = self.collector.collect(
+                self.engine, trainer.batcher, step, version, sampler_params, self.external
+            )
+        return trainer.learn(step, rollout, metrics, version, params_b, t0)
+
 
 class ActorLearner:
     """train.mode "async": the steps of `Run._run`, each fed by the sampler thread.
 
     Two data positions: the sampler's own batcher (`PromptBatcher.fork`) reads ahead, and the
-    run's batcher is moved to each batch's `data_after` as the trainer takes it, so a
+    trainer's batcher is moved to each batch's `data_after` as the trainer takes it, so a
     checkpoint (`Run.save`, `Run.save_on_interrupt`) holds the position of the batches
-    trained on and the queue is dropped (module docstring)."""
+    trained on and the queue is dropped (module docstring).
 
-    def __init__(self, run):
-        self.run, c = run, run.config
-        self.rollout_sh = model_lib.param_shardings(run.model_cfg, run.rollout_mesh, "sample")
+    `engine`: the policy's engine on the rollout mesh (None: the in-JAX sampler there);
+    `external`: the external model's engine in the train layout (None without one), copied to
+    the rollout mesh when the sampler starts; `pacer`: the lag budget's controller, which the
+    run checkpoints and restores."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        collector: Collector,
+        model_cfg,
+        rollout_mesh,
+        engine: RolloutEngine | None,
+        external: JaxEngine | None,
+        pacer: LagController,
+        sync_every: int,
+        max_lag: int,
+    ):
+        self.trainer, self.collector, self.model_cfg = trainer, collector, model_cfg
+        self.rollout_mesh, self.engine, self.external = rollout_mesh, engine, external
+        self.rollout_sh = model_lib.param_shardings(model_cfg, rollout_mesh, "sample")
         self.frozen_sh = None  # model.lora: the base's shardings; rollout_sh the adapters'
-        if run.state.frozen is not None:
+        if trainer.state.frozen is not None:
             self.frozen_sh, self.rollout_sh = lora.split(self.rollout_sh)
-        self.every = int(c.train.sync_every)
-        self.pacer = run.pacer  # restored from the checkpoint on resume (`make_pacer`)
+        self.every, self.max_lag, self.pacer = int(sync_every), int(max_lag), pacer
         self.sampler: Sampler | None = None
         self.first = 0  # the step the sampler started at (its params were pushed then)
 
@@ -261,30 +290,30 @@ class ActorLearner:
         layout, handed to the sampler (when it runs) as `version`; and the seconds the copy
         took."""
         t0 = time.perf_counter()
-        params = jax.block_until_ready(jax.device_put(self.run.state.params, self.rollout_sh))
+        params = jax.block_until_ready(jax.device_put(self.trainer.state.params, self.rollout_sh))
         if self.sampler is not None:
             self.sampler.publish(version, params)
         return params, time.perf_counter() - t0
 
     def start(self, start: int) -> None:
         """The sampler thread from batch `start` with the params of version `start`."""
-        run, rcfg = self.run, self.run.rollout_cfg
+        rcfg = self.collector.rollout_cfg
         external = None
-        if run.external is not None:  # a copy on the rollout mesh for the whole run
-            e = run.external
-            sh = model_lib.param_shardings(e.cfg, run.rollout_mesh, "sample")
+        if self.external is not None:  # a copy on the rollout mesh for the whole run
+            e = self.external
+            sh = model_lib.param_shardings(e.cfg, self.rollout_mesh, "sample")
             external = rollout_lib.external_engine(e.cfg, jax.device_put(e.params, sh), rcfg)
         frozen = None  # model.lora: the frozen base, copied to the rollout mesh once
         if self.frozen_sh is not None:
-            frozen = jax.device_put(run.state.frozen, self.frozen_sh)
-        engine = run.engine
+            frozen = jax.device_put(self.trainer.state.frozen, self.frozen_sh)
+        engine = self.engine
         if engine is None:  # the in-JAX sampler on the rollout mesh
-            engine = rollout_lib.policy_engine(run.model_cfg, rcfg)
+            engine = rollout_lib.policy_engine(self.model_cfg, rcfg)
         params, _ = self.push(start)
         self.first = start
         self.sampler = Sampler(
-            run,
-            run.batcher.fork(),
+            self.collector,
+            self.trainer.batcher.fork(),
             engine,
             external,
             frozen=frozen,
@@ -292,7 +321,7 @@ class ActorLearner:
             version=start,  # the version of those params
             start=start,  # the first batch to draw
             budget=self.pacer.budget,
-            capacity=int(run.config.rollout.max_lag) + 1,
+            capacity=self.max_lag + 1,
         )
 
     def stop(self) -> None:
@@ -306,15 +335,14 @@ class ActorLearner:
         that step whole, and the checkpoint it writes skips no row."""
         due = step > self.first and step % self.every == 0
         push_s = self.push(step)[1] if due else 0.0
-        run, t0 = self.run, time.perf_counter()
+        trainer, t0 = self.trainer, time.perf_counter()
         with preemption.interruptible():  # waiting touches nothing of the train state
             batch = self.sampler.next_batch()
         if batch.index != step:
             raise RuntimeError(f"the sampler sent batch {batch.index} for step {step}")
         depth = self.sampler.depth()
-        run.step_start = (run.batcher.state(), int(run.state.step))  # Ctrl-C rewinds to it
-        run.batcher.restore(batch.data_after)
-        row = run.learn(step, batch.rollout, batch.metrics, batch.version, None, t0)
+        trainer.begin_step(data_after=batch.data_after)  # Ctrl-C rewinds to the start
+        row = trainer.learn(step, batch.rollout, batch.metrics, batch.version, None, t0)
         budget = self.pacer.update(float(row["ess"]))  # at once: a Ctrl-C saves step + 1 with it
         versions = np.asarray(batch.rollout.policy_version)
         lags = step - versions[versions >= 0]  # the external model's rows (-1) have no lag
@@ -328,8 +356,3 @@ class ActorLearner:
             push_s=push_s,
         )
         return row
-
-
-def loop_for(run):
-    """What `Run._run` calls each step: `SyncLoop` or `ActorLearner` by train.mode."""
-    return ActorLearner(run) if run.config.train.mode == "async" else SyncLoop(run)

@@ -1,6 +1,16 @@
-"""The RL loop: `Run` (build, SFT warm-up, rollout -> reward -> advantages -> updates, eval,
-checkpoints, export) and `run`, the entry point of `ess_jax.main`. The updates on a rollout
-batch are `ess_jax.rl.update`'s `Learner`, the SFT warm-up is `ess_jax.rl.sft`.
+"""The RL run: `Run` and `run`, the entry point of `ess_jax.main`.
+
+`Run` is the composition root and the outer loop; each of its parts answers for one thing:
+
+    Run                 builds the parts from the config; checkpoints (save, restore, Ctrl-C);
+                        the phases (SFT warm start, eval, HF export); the step loop and its rows
+      Trainer           the train state, policy history, reference params and data position;
+                        `learn` trains on one batch (rl/trainer.py, through `update.Learner`)
+      Collector         draws batch k: prompts, engine, rewards, the step key (rl/collect.py)
+      SyncLoop /        one step: draw then train, or take the sampler thread's batch then
+      ActorLearner      train (train.mode; rl/actor_learner.py)
+
+The loops see the trainer and the collector only, never `Run`.
 """
 
 from __future__ import annotations
@@ -8,43 +18,31 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 
 import jax
-import jax.numpy as jnp
 from tqdm import tqdm
 
 from ess_jax import objectives as obj_lib
 from ess_jax import rewards as rewards_lib
-from ess_jax.config.schema import UserError
 from ess_jax.io import workdir as workdir_lib
 from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import (
-    actor_learner,
-    device_split,
-    dynamic_sampling,
-    experiment,
-    lora_policy,
-    preemption,
-    steps,
-)
+from ess_jax.rl import actor_learner, device_split, experiment, lora_policy, preemption, steps
 from ess_jax.rl import heldout as eval_lib
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl import sft as sft_lib
 from ess_jax.rl import update as update_lib
+from ess_jax.rl.collect import Collector
 from ess_jax.rl.full_kl import FullKL
 from ess_jax.rl.health import HealthWatch, report
 from ess_jax.rl.metrics import MetricsWriter, eval_summary, plot_run, progress_postfix
 from ess_jax.rl.optim import learning_rate_schedule, make_optimizer
+from ess_jax.rl.trainer import NonFiniteError, Trainer
 from ess_jax.sampling.engine import RolloutEngine
 
-MAX_NONFINITE_IN_A_ROW = 3
-
-
-class NonFiniteError(UserError, RuntimeError): ...
+__all__ = ["NonFiniteError", "Run", "run"]
 
 
 class Run:
@@ -91,7 +89,7 @@ class Run:
         self.rollout_cfg = _with_stop_ids(config.rollout, self.stop_ids)
         self.train_examples, test = experiment.load_examples(config.task)
         # every prompt tokenized and checked against data.buckets before any work
-        self.batcher = experiment.train_batcher(config, self.train_examples, self.tokenizer)
+        batcher = experiment.train_batcher(config, self.train_examples, self.tokenizer)
         self.test_examples = experiment.heldout_examples(config, test, self.tokenizer)
         self.reward_fn = rewards_lib.get_reward(config.task.reward)
         self.sample_sh = model_lib.param_shardings(self.model_cfg, self.mesh, "sample")
@@ -100,10 +98,9 @@ class Run:
             **config.optim.to_dict(),
             "total_steps": config.train.steps * config.train.updates_per_batch,
         }
-        self.tx = make_optimizer(optim_cfg)
-        self.lr_schedule = learning_rate_schedule(optim_cfg)
-        self.state, self.state_sh = steps.init_state(params, self.tx, self.mesh, frozen)
-        self.history = rollout_lib.ParamHistory(config.rollout.lag)
+        tx = make_optimizer(optim_cfg)
+        state, state_sh = steps.init_state(params, tx, self.mesh, frozen)
+        history = rollout_lib.ParamHistory(config.rollout.lag)
         self.pacer = actor_learner.make_pacer(config)  # async: ESS pacing, kept in checkpoints
         if self.engine is None and self.rollout_mesh is None:  # async: on the rollout mesh
             self.engine = rollout_lib.policy_engine(self.model_cfg, self.rollout_cfg)
@@ -125,7 +122,7 @@ class Run:
         ucfg = update_lib.UpdateConfig(
             self.model_cfg,
             self.objective_cfg,
-            self.tx,
+            tx,
             t.num_microbatches,
             config.seed,
             int(self.rollout_cfg.group_size),
@@ -133,68 +130,78 @@ class Run:
         full = FullKL.for_run(  # None unless objective.kl_estimator "full"
             self.objective_cfg,
             self.rollout_cfg,
-            self.history.lag,
+            history.lag,
             t.updates_per_batch,
             self.external,
         )
-        self.learner = update_lib.Learner(
-            ucfg, self.mesh, self.state_sh, t.updates_per_batch, full, self.external
+        learner = update_lib.Learner(
+            ucfg, self.mesh, state_sh, t.updates_per_batch, full, self.external
         )
-        self.ref_params = None
+        self.trainer = Trainer(
+            state,
+            state_sh,
+            learner,
+            history,
+            batcher,
+            learning_rate_schedule(optim_cfg),
+            self.objective_cfg.beta_kl,
+        )
         self.rng = jax.random.key(config.seed)
-        self.step_start = None  # (data position, optimizer step) while a step runs
+
+    def collector(self) -> Collector:
+        """How the loops draw a batch (rl/collect.py), from this run's tokenizer, reward
+        function, rollout config and key."""
+        return Collector(self.tokenizer, self.reward_fn, self.rollout_cfg, self.rng)
+
+    def loop(self):
+        """What `_run` calls each step, by train.mode: `SyncLoop`, or `ActorLearner` (a sampler
+        thread on the rollout mesh)."""
+        if self.config.train.mode != "async":
+            return actor_learner.SyncLoop(
+                self.trainer, self.collector(), self.engine, self.external
+            )
+        return actor_learner.ActorLearner(
+            self.trainer,
+            self.collector(),
+            self.model_cfg,
+            self.rollout_mesh,
+            self.engine,
+            self.external,
+            self.pacer,
+            self.config.train.sync_every,
+            self.config.rollout.max_lag,
+        )
 
     # ------------------------------------------------------------------ checkpoints
-    def _ckpt_tree(self):
-        return {
-            "state": self.state.replace(frozen=None),  # model.lora: the base is model.source
-            "history": [p for _, p in self.history.state()],
-            **({"ref": self.ref_params} if self.ref_params is not None else {}),
-        }
-
     def save(self, step: int, force: bool = False) -> None:
         meta = {
             "step": step,
-            "data": self.batcher.state(),
-            "history_versions": [v for v, _ in self.history.state()],
+            **self.trainer.checkpoint_meta(),
             **({"pacing": self.pacer.state()} if self.pacer else {}),
             "config": self.config.to_dict(),
         }
-        self.ckpt.save(step, self._ckpt_tree(), meta, force=force)
+        self.ckpt.save(step, self.trainer.checkpoint_tree(), meta, force=force)
 
     def try_restore(self) -> int | None:
         found = self.ckpt.restore_newest_intact(
-            lambda meta: self._abstract_tree(len(meta["history_versions"])),
+            lambda meta: self.trainer.abstract_tree(len(meta["history_versions"])),
             fallback=self.config.train.restore_fallback,
         )
         if found is None:
             return None
         step, tree, meta = found
-        self.state = tree["state"].replace(frozen=self.state.frozen)
-        self.ref_params = tree.get("ref")
-        self.history.restore(list(zip(meta["history_versions"], tree["history"])))
-        self.batcher.restore(meta["data"])
+        self.trainer.restore(tree, meta)
         if self.pacer and "pacing" in meta:
             self.pacer.restore(meta["pacing"])
         return step
 
-    def _abstract_tree(self, n_history: int):
-        as_abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-        unfrozen = self.state.replace(frozen=None), self.state_sh.replace(frozen=None)
-        state = jax.tree.map(as_abstract, *unfrozen)
-        hist_one = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
-        tree = {"state": state, "history": [hist_one] * n_history}
-        if self.objective_cfg.beta_kl > 0:
-            tree["ref"] = jax.tree.map(as_abstract, self.state.params, self.state_sh.params)
-        return tree
-
     # ------------------------------------------------------------------ phases
     def sft(self) -> None:
         """The SFT warm start (`sft.warm_start`; nothing with sft.steps 0)."""
-        self.state = sft_lib.warm_start(
+        self.trainer.state = sft_lib.warm_start(
             self.config,
             self.model_cfg,
-            self.state,
+            self.trainer.state,
             self.mesh,
             self.train_examples,
             self.tokenizer,
@@ -205,7 +212,8 @@ class Run:
         e = self.config.eval  # the eval's own engine, in eval.precision; dropped on return
         formats = (str(e.get("precision", "float32")), str(e.get("kv_cache_precision", "compute")))
         engine = lora_policy.engine(self.model_cfg, *formats)
-        engine.update_params(step, lora.join(self.state.frozen, self.state.params))
+        state = self.trainer.state
+        engine.update_params(step, lora.join(state.frozen, state.params))
         rng = jax.random.fold_in(jax.random.fold_in(self.rng, 2), step)
         return eval_lib.evaluate(
             engine,
@@ -228,11 +236,13 @@ class Run:
         tmp = path + ".tmp"
         if jax.process_index() == 0 and os.path.exists(tmp):
             shutil.rmtree(tmp)
-        if self.state.frozen is None:
-            weights.save_hf(self.model_cfg, self.state.params, tmp, tokenizer=self.tokenizer)
+        if self.trainer.state.frozen is None:
+            weights.save_hf(
+                self.model_cfg, self.trainer.state.params, tmp, tokenizer=self.tokenizer
+            )
         else:  # model.lora: the merged model here, the adapter alone in <workdir>/peft
             peft = os.path.join(self.workdir, "peft")
-            s, src = self.state, self.config.model.source
+            s, src = self.trainer.state, self.config.model.source
             lora_policy.export(self.model_cfg, s.frozen, s.params, tmp, peft, self.tokenizer, src)
         if jax.process_index() == 0:
             if os.path.exists(path):
@@ -241,81 +251,23 @@ class Run:
         return path
 
     def save_on_interrupt(self, step: int) -> None:
-        """Ctrl-C or SIGTERM: save what can be saved without losing or corrupting anything.
-
-        Between steps the state is the newest policy version's. Before the step's first update
-        (sampling takes most of a step) it is the step's start state: rewind the data iterator
-        and the resume is exact. After it, the update has donated buffers the policy history
-        may share (lag 0, same layouts): save the updated state as step + 1 (that step's row is
-        not written). During it, the old state is gone: keep the last periodic checkpoint."""
-        started = self.step_start
-        leaves = jax.tree.leaves(self.state)
-        if any(x.is_deleted() for x in leaves):
+        """Ctrl-C or SIGTERM: save what can be saved without losing or corrupting anything
+        (`Trainer.interrupted_step` says which step's state that is)."""
+        at = self.trainer.interrupted_step(step)
+        if at is None:
             logging.error(
                 "interrupted inside an update: keeping the checkpoint at step %s",
                 self.ckpt.latest_step(),
             )
             return
-        if started is None:
-            step = self.history.state()[-1][0]
-        elif int(self.state.step) != started[1]:
-            step += 1
-            self.history.push(step, jax.tree.map(jnp.copy, self.state.params))
-        else:
-            self.batcher.restore(started[0])
-        logging.warning("interrupted: saving a checkpoint at step %d", step)
-        self.save(step, force=True)
+        logging.warning("interrupted: saving a checkpoint at step %d", at)
+        self.save(at, force=True)
 
     def rl_step(self, step: int) -> dict:
-        t0 = time.perf_counter()
-        self.step_start = (self.batcher.state(), int(self.state.step))
-        version, params_b = self.history.behaviour()
-        rng = jax.random.fold_in(jax.random.fold_in(self.rng, 1), step)
-        self.engine.update_params(version, lora.join(self.state.frozen, params_b))
-        with preemption.interruptible():  # a signal: the step is redone from its start state
-            try:
-                rollout, metrics = dynamic_sampling.collect_batch(
-                    self.engine,
-                    self.batcher,
-                    self.tokenizer,
-                    self.reward_fn,
-                    self.rollout_cfg,
-                    rng,
-                    external=self.external,
-                )
-            finally:
-                self.engine.release()
-        return self.learn(step, rollout, metrics, version, params_b, t0)
-
-    def learn(self, step, rollout, metrics, version, params_b, t0) -> dict:
-        """Updates on a rollout drawn by policy `version` (params `params_b`); the row."""
-        t_sample = time.perf_counter() - t0
-        self.state, row = self.learner.learn(
-            self.state, rollout, params_b, self.ref_params, on_update=self._hold
-        )
-        if int(self.state.nonfinite) >= MAX_NONFINITE_IN_A_ROW:
-            raise NonFiniteError(
-                f"{int(self.state.nonfinite)} updates in a row had a non-finite loss or gradient "
-                f"(step {step}); the last good state is kept. Lower optim.lr or check the data."
-            )
-        # train layout (FSDP-sharded): the sampler gathers a version only while it samples
-        self.history.push(step + 1, self.state.params)
-        self.step_start = None
-        elapsed = time.perf_counter() - t0
-        row.update(metrics)
-        row.update(
-            step=step,
-            policy_lag=step - version,
-            lr=float(self.lr_schedule(int(self.state.step))),
-            tokens_per_s=float(rollout.loss_mask.sum()) / elapsed,
-            sample_s=t_sample,
-            step_s=elapsed,
-        )
-        return row
-
-    def _hold(self, state) -> None:
-        """The newest state, after each update of a batch (`save_on_interrupt` reads it)."""
-        self.state = state
+        """One synchronous step (draw, then train), whatever train.mode says: its row."""
+        return actor_learner.SyncLoop(
+            self.trainer, self.collector(), self.engine, self.external
+        ).step(step)
 
     def _eval(self, writer, step: int) -> None:
         with preemption.interruptible():
@@ -343,16 +295,16 @@ class Run:
         )
         if start is None:
             self.sft()
-            if self.objective_cfg.beta_kl > 0:
-                self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+            self.trainer.keep_reference()
             start = 0
-        if not self.history.state():
-            self.history.push(0, self.state.params)
+        history = self.trainer.history
+        if not history.state():
+            history.push(0, self.trainer.state.params)
             self.save(0, force=True)  # the SFT warm start is never redone after a crash
         step, health = start, HealthWatch(self.model_cfg.vocab_size)
         left = range(start, t.steps)
         bar = tqdm(left, "rl", t.steps, initial=start, dynamic_ncols=True, disable=_secondary())
-        loop = actor_learner.loop_for(self)  # train.mode: sync, or async (a sampler thread)
+        loop = self.loop()  # train.mode: sync, or async (a sampler thread)
         try:
             loop.start(start)
             for step in bar:

@@ -1,6 +1,6 @@
 """The RL update, top to bottom: a rollout batch -> pi_prox / reference scores -> U optimizer
 updates, each over M micro-batches (the ESS statistics pass, the gradient, the optimizer) ->
-the metrics. `train.Run.learn` calls `Learner.learn` once per RL step.
+the metrics. `trainer.Trainer.learn` calls `Learner.learn` once per RL step.
 
 Axis alphabet (ARCHITECTURE.md): B rows of the rollout batch (prompts x G), U updates per batch
 (train.updates_per_batch) of B' = B / U rows, M micro-batches per update (train.num_microbatches)

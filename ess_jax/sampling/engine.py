@@ -1,7 +1,7 @@
 """The rollout-engine seam: what the RL loops ask of whatever draws their rollouts.
 
-`RolloutEngine` is the interface. The synchronous loop (rl/train.py `Run.rl_step`) and the
-actor-learner (rl/actor_learner.py `Sampler`) both push a params version with
+`RolloutEngine` is the interface. The synchronous loop and the actor-learner (rl/actor_learner.py
+`SyncLoop`, `Sampler`, both through rl/collect.py `Collector.collect`) push a params version with
 `update_params`, draw every rollout batch through `generate` (rl/rollout.py `collect`), and
 call `release` once the batch is drawn. `JaxEngine` is the in-JAX sampler (sampler.py) behind
 it. docs/rollout_engines.md says what another engine (vLLM, SGLang) must provide to be valid
