@@ -317,7 +317,7 @@ def test_loop_rescores_the_params_the_sampler_held(tmp_path, monkeypatch):
     lagged = rollout.ParamHistory(1)
     version1 = jax.device_put(updates[1][0], run.trainer.state_sh.params)
     lagged.restore([(1, version1), (2, run.trainer.state.params)])
-    monkeypatch.setattr(run, "history", lagged)
+    monkeypatch.setattr(run.trainer, "history", lagged)
     settle(1, 2)
     rows.append(run.rl_step(2))
 
