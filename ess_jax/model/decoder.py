@@ -194,8 +194,19 @@ class Block(nnx.Module):
         self.mlp = moe.MoE(cfg, rngs=rngs) if cfg.is_sparse(layer) else MLP(cfg, rngs=rngs)
 
     def __call__(
-        self, cfg, x, positions, kv_mask, cache, cache_index, attend_len=None, lora_keys=None
+        self,
+        cfg,
+        x,
+        positions,
+        kv_mask,
+        cache,
+        cache_index,
+        attend_len=None,
+        lora_keys=None,
+        replay=None,
     ):
+        """(output, updated cache, routed): routed is the MoE block's (experts [B, T, X], router
+        logits [B, T, E]), None in a dense layer; `replay` ([B, T, X]) its recorded experts."""
         h, new_cache = self.attn(
             cfg,
             rms_norm(x, self.attn_norm[...], cfg.rms_norm_eps),
@@ -207,8 +218,11 @@ class Block(nnx.Module):
             lora_keys,
         )
         x = x + h
-        h = self.mlp(cfg, rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps), lora_keys)
-        return x + h, new_cache
+        h = rms_norm(x, self.mlp_norm[...], cfg.rms_norm_eps)
+        if not isinstance(self.mlp, moe.MoE):
+            return x + self.mlp(cfg, h, lora_keys), new_cache, None
+        h, routed = self.mlp(cfg, h, lora_keys, replay)
+        return x + h, new_cache, routed
 
 
 class Decoder(nnx.Module):
@@ -233,7 +247,13 @@ class Decoder(nnx.Module):
                 1.0 / math.sqrt(cfg.hidden_size),
             )
 
-    def hidden(
+    def hidden(self, cfg, *args, **kwargs):
+        """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache: those of
+        `hidden_routed` (its arguments), without the routing."""
+        x, new_cache, _ = self.hidden_routed(cfg, *args, **kwargs)
+        return x, new_cache
+
+    def hidden_routed(
         self,
         cfg,
         tokens_BxT,
@@ -243,25 +263,31 @@ class Decoder(nnx.Module):
         cache_index=0,
         attend_len=None,
         lora_keys=None,
+        routing=None,
     ):
-        """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache.
+        """Final-norm hidden states [B, T, D] (compute dtype), the updated cache and the sparse
+        layers' `moe.Routed` record (None for a dense model).
 
         With a cache, `attend_len` (a static int) limits attention to the first `attend_len`
         cache positions (they must hold every key the queries may see): the sampler's prefill
         attends over the prompt only. Not for decode loops: sliced after the in-place write,
         the cache is copied at every step (decode.Decode grows the cache per segment instead).
         `lora_keys` ([B] PRNG keys; None: none) draw LoRA dropout masks (lora.dropout), those of
-        layer i from the keys folded with i."""
+        layer i from the keys folded with i. `routing` ([B, T, Ls, X] int32; None: none) is a
+        recorded routing to replay (moe.route), the j-th sparse layer's at [:, :, j]."""
         x = shard_rows(jnp.take(self.embed[...], tokens_BxT, axis=0).astype(cfg.compute_dtype))
-        new_cache = []
+        new_cache, routed = [], []
         for i, layer in enumerate(self.layers):
             keys = lora.fold_rows(lora_keys, i)
+            replay = None
+            if routing is not None and cfg.is_sparse(i):
+                replay = routing[:, :, len(routed)]
             if cfg.remat and cache is None:  # the recompute redraws the same dropout masks
-                x, c = jax.checkpoint(
-                    lambda x, p, m, k, layer=layer: layer(cfg, x, p, m, None, 0, None, k)
-                )(x, positions_BxT, kv_mask_BxS, keys)
+                x, c, r = jax.checkpoint(
+                    lambda x, p, m, k, e, layer=layer: layer(cfg, x, p, m, None, 0, None, k, e)
+                )(x, positions_BxT, kv_mask_BxS, keys, replay)
             else:
-                x, c = layer(
+                x, c, r = layer(
                     cfg,
                     x,
                     positions_BxT,
@@ -270,11 +296,18 @@ class Decoder(nnx.Module):
                     cache_index,
                     attend_len,
                     keys,
+                    replay,
                 )
             x = shard_rows(x)
             new_cache.append(c)
+            if r is not None:
+                routed.append(r)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
-        return x, (None if cache is None else new_cache)
+        record = None
+        if routed:
+            experts, logits = zip(*routed)
+            record = moe.Routed(jnp.stack(experts, axis=2), jnp.stack(logits))
+        return x, (None if cache is None else new_cache), record
 
     def logits(self, cfg, x_BxTxD):
         head_DxV = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]

@@ -28,13 +28,23 @@ instead: the same function, with other rounding points in bfloat16 (and, with fp
 a scale per token where transformers' would be per token and expert); the parity tests compare
 float32 logits.
 
+Routing replay (R3, arXiv 2510.11370): `route` takes a token's experts from a recorded
+routing instead of its own top-k where one is given (`replay_BxTxX`, NOT_RECORDED = -1: the
+block's own top-k). The routing weights are still the block's own softmax probabilities, read at
+the recorded experts (and renormalised under `norm_topk_prob`), so the router keeps its
+gradient: only the discrete choice is replayed, as Megatron's router replay, verl's R3 and
+MaxText do. Where the recorded experts are the block's own top-k, the replayed block is the
+same function, bit for bit.
+
 `load_balancing_loss` is transformers' `load_balancing_loss_func` (the Switch Transformer's
-auxiliary loss) on the router logits of the sparse layers.
+auxiliary loss) on the router logits of the sparse layers; `router_loss` applies it to a
+forward's `Routed` record (model.moe_aux_loss_coef in the RL and SFT losses).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +57,31 @@ from ess_jax.model.layers import dense, matmul_input
 # down, so that code keyed on a matrix's name (quant.INPUT_AXES) reads their own layout
 ROUTER = "router"
 EXPERT_MATRICES = ("expert_gate", "expert_up", "expert_down")
+# a routing entry with no recorded experts: the block routes that token by its own top-k
+NOT_RECORDED = -1
+# the batch key of a recorded routing [B, L, Ls, X] in the trainer's forwards (rl/update.py
+# puts a rollout's there under model.routing_replay "sampler")
+ROUTING = "routing"
+
+
+class Routed(NamedTuple):
+    """What the sparse layers of one forward chose, stacked in layer order (Ls = the number of
+    sparse layers, `sparse_layers`): `experts` [B, T, Ls, X] int32 (the replayed ones where a
+    replay was given) and the router `logits` [Ls, B, T, E] in the compute dtype."""
+
+    experts: jax.Array
+    logits: jax.Array
+
+
+def sparse_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    """The indices of the sparse (mixture-of-experts) layers, in order: axis Ls of a routing."""
+    return tuple(i for i in range(cfg.num_layers) if cfg.is_sparse(i))
+
+
+def routing_shape(cfg: ModelConfig) -> tuple[int, int]:
+    """(Ls, X): a token's recorded routing, its top-k experts in each sparse layer; (0, 0) for
+    a dense model."""
+    return len(sparse_layers(cfg)), cfg.num_experts_per_tok if cfg.num_experts else 0
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, scale: float) -> nnx.Param:
@@ -54,11 +89,19 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, scale: float) -
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
-def route(cfg: ModelConfig, logits_BxTxE: jax.Array) -> tuple[jax.Array, jax.Array]:
+def route(
+    cfg: ModelConfig, logits_BxTxE: jax.Array, replay_BxTxX: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(weights_BxTxX in the logits' dtype, experts_BxTxX int32): each token's top-k experts
-    and their routing weights, as transformers' Qwen3MoeTopKRouter computes them."""
+    and their routing weights, as transformers' Qwen3MoeTopKRouter computes them. With
+    `replay_BxTxX`, a token whose entry is recorded (not NOT_RECORDED) takes those experts, and
+    its weights are this router's probabilities at them."""
     probs = jax.nn.softmax(logits_BxTxE.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if replay_BxTxX is not None:
+        recorded = replay_BxTxX[..., :1] != NOT_RECORDED
+        experts = jnp.where(recorded, replay_BxTxX.astype(jnp.int32), experts)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdims=True)
     return weights.astype(logits_BxTxE.dtype), experts
@@ -90,18 +133,21 @@ class MoE(nnx.Module):
     def _logits(self, cfg, x_BxTxD: jax.Array) -> jax.Array:
         return dense(x_BxTxD, self.router[...].astype(cfg.compute_dtype))
 
-    def __call__(self, cfg, x_BxTxD, lora_keys=None):
-        """The block's output [B, T, D] in the compute dtype (`lora_keys` unused: ModelConfig
-        refuses adapters on an MoE model)."""
+    def __call__(self, cfg, x_BxTxD, lora_keys=None, replay_BxTxX=None):
+        """The block's output [B, T, D] in the compute dtype and what it routed: (experts
+        [B, T, X] int32, router logits [B, T, E]). `replay_BxTxX`: recorded experts (`route`);
+        `lora_keys` unused (ModelConfig refuses adapters on an MoE model)."""
         dt = cfg.compute_dtype
         x_BxTxD = matmul_input(x_BxTxD, cfg.activation_fp8)  # rounded once, for every matmul
-        weights, experts = route(cfg, self._logits(cfg, x_BxTxD))
+        logits_BxTxE = self._logits(cfg, x_BxTxD)
+        weights, experts = route(cfg, logits_BxTxE, replay_BxTxX)
         c_BxTxE = combine_matrix(weights, experts, cfg.num_experts)
         g = jnp.einsum("btd,edf->btef", x_BxTxD, self.expert_gate[...].astype(dt))
         u = jnp.einsum("btd,edf->btef", x_BxTxD, self.expert_up[...].astype(dt))
         h_BxTxExF = matmul_input(jax.nn.silu(g) * u, cfg.activation_fp8)
         # combine before the down projection: one contraction over (E, F)
-        return dense(h_BxTxExF * c_BxTxE[..., None], self.expert_down[...].astype(dt), 2)
+        out = dense(h_BxTxExF * c_BxTxE[..., None], self.expert_down[...].astype(dt), 2)
+        return out, (experts, logits_BxTxE)
 
 
 def load_balancing_loss(
@@ -122,3 +168,14 @@ def load_balancing_loss(
     f_E = jnp.einsum("lne,n->e", picked_LxNxE, w_N) / rows
     p_E = jnp.einsum("lne,n->e", probs, w_N) / rows
     return e * jnp.sum(f_E * p_E)
+
+
+def router_loss(cfg: ModelConfig, routed: Routed, mask_BxT: jax.Array) -> jax.Array:
+    """`load_balancing_loss` of a forward's router logits over its real tokens (`mask_BxT`,
+    prompt and response: transformers weighs the tokens by the attention mask), float32."""
+    logits_LsxBxTxE = routed.logits
+    ls, b, t, e = logits_LsxBxTxE.shape
+    mask_N = mask_BxT.reshape(b * t)
+    return load_balancing_loss(
+        logits_LsxBxTxE.reshape(ls, b * t, e), cfg.num_experts_per_tok, mask_N
+    )

@@ -4,8 +4,13 @@ the old-logp pass and the checks against the sampler's recorded log-probs read.
 Axis alphabet: B rows, T sequence length (prompt + response), R scored positions (T - start),
 C a chunk of R, D model width, V vocab.
 
-  token_logprobs(cfg, params, tokens_BxT, mask_BxT, return_entropy, start, dropout_keys)
+  token_logprobs(cfg, params, tokens_BxT, mask_BxT, return_entropy, start, dropout_keys,
+                 routing_BxTxLxX)
       -> logp_BxR, or (logp_BxR, entropy_BxR) with return_entropy
+  token_logprobs_and_extras(..., router_loss) -> (logp_BxR, {entropy, router_loss})
+
+On a mixture-of-experts model a recorded routing ([B, T, Ls, X] int32, the sampler's:
+sampling/decode.py) makes the sparse layers use those experts (routing replay, model/moe.py).
 
 Only the scored positions go through the LM head: with `start` = the prompt width, an RL step
 spends no vocabulary-sized matmul, softmax or backward on prompt positions (whose log-probs it
@@ -21,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import lora
+from ess_jax.model import lora, moe
 
 
 def logprobs_from_logits(logits_BxTxV: jax.Array, tokens_BxT: jax.Array) -> jax.Array:
@@ -55,15 +60,31 @@ def over_time(fn: Callable, chunk: int, *xs_BxTx_):
     return jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1)[:, :t], out)
 
 
-def scored_hidden(cfg, params, tokens_BxT, mask_BxT, start: int, dropout_keys=None):
+def scored_hidden(
+    cfg, params, tokens_BxT, mask_BxT, start: int, dropout_keys=None, routing_BxTxLxX=None
+):
     """(bound module, hidden states [B, T - start, D]): the final hidden states that predict
     tokens[:, start:] (position t - 1 predicts token t; start >= 1), for the LM head.
-    `dropout_keys` ([B, key words] key data, lora.dropout_keys; None: none): LoRA dropout."""
+    `dropout_keys` ([B, key words] key data, lora.dropout_keys; None: none): LoRA dropout.
+    `routing_BxTxLxX` (int32, aligned with the tokens; None: none): a recorded routing the
+    sparse layers replay (model/moe.py `route`)."""
+    module, x, _ = scored_hidden_routed(
+        cfg, params, tokens_BxT, mask_BxT, start, dropout_keys, routing_BxTxLxX
+    )
+    return module, x
+
+
+def scored_hidden_routed(
+    cfg, params, tokens_BxT, mask_BxT, start: int, dropout_keys=None, routing_BxTxLxX=None
+):
+    """`scored_hidden` and the forward's `moe.Routed` record (None for a dense model)."""
     module = model_lib.bind(cfg, params)
     positions = model_lib.positions_from_mask(mask_BxT)
     keys = lora.wrap_keys(dropout_keys)
-    x, _ = module.hidden(cfg, tokens_BxT, positions, mask_BxT, lora_keys=keys)
-    return module, x[:, start - 1 : -1]
+    x, _, routed = module.hidden_routed(
+        cfg, tokens_BxT, positions, mask_BxT, lora_keys=keys, routing=routing_BxTxLxX
+    )
+    return module, x[:, start - 1 : -1], routed
 
 
 def token_logprobs(
@@ -74,6 +95,7 @@ def token_logprobs(
     return_entropy: bool = False,
     start: int = 0,
     dropout_keys: jax.Array | None = None,
+    routing_BxTxLxX: jax.Array | None = None,
 ):
     """log pi(tokens[t] | tokens[<t]) for t in [start, T), float32, aligned with
     tokens[:, start:] (so [B, T] at the default start 0).
@@ -82,7 +104,21 @@ def token_logprobs(
     full-distribution entropy of the prediction of each scored token. `start` (static) is where
     the scored tokens begin, e.g. the prompt width of an RL batch. `dropout_keys` (per-row key
     data, model/lora.py `dropout_keys`) turn on the adapters' dropout (cfg.lora_dropout).
+    `routing_BxTxLxX` (aligned with the tokens) is a recorded routing to replay.
     """
+    args = (mask_BxT, return_entropy, start, dropout_keys, routing_BxTxLxX)
+    logp, extras = token_logprobs_and_extras(cfg, params, tokens_BxT, *args)
+    return (logp, extras["entropy"]) if return_entropy else logp
+
+
+def token_logprobs_and_extras(
+    cfg, params, tokens_BxT, mask_BxT=None, return_entropy=False, start=0, dropout_keys=None,
+    routing_BxTxLxX=None, router_loss: bool = False,
+) -> tuple[jax.Array, dict]:  # fmt: skip
+    """`token_logprobs`'s log-probs (its arguments) and a dict of extras: "entropy"
+    [B, T - start] with `return_entropy`; with `router_loss`, "router_loss", the load-balancing
+    loss of the same forward's router logits over its real tokens (moe.router_loss; 0 for a
+    dense model)."""
     t = tokens_BxT.shape[1]
     if not 0 <= start < t:
         raise ValueError(f"start {start}: must be in [0, {t}) for sequences of length {t}")
@@ -90,7 +126,9 @@ def token_logprobs(
         mask_BxT = jnp.ones(tokens_BxT.shape, bool)
     mask_BxT = mask_BxT.astype(bool)
     first = max(start, 1)  # the first token that has a context
-    module, x_BxRxD = scored_hidden(cfg, params, tokens_BxT, mask_BxT, first, dropout_keys)
+    module, x_BxRxD, routed = scored_hidden_routed(
+        cfg, params, tokens_BxT, mask_BxT, first, dropout_keys, routing_BxTxLxX
+    )
     targets_BxR = tokens_BxT[:, first:]
 
     def score(x_BxCxD, tgt_BxC):
@@ -102,6 +140,11 @@ def token_logprobs(
     valid = mask_BxT[:, first:]
     no_context = ((0, 0), (first - start, 0))  # start 0: position 0's zero column
     logp = jnp.pad(jnp.where(valid, lp, 0.0), no_context)
-    if not return_entropy:
-        return logp
-    return logp, jnp.pad(jnp.where(valid, ent, 0.0), no_context)
+    extras = {}
+    if return_entropy:
+        extras["entropy"] = jnp.pad(jnp.where(valid, ent, 0.0), no_context)
+    if router_loss:
+        extras["router_loss"] = (
+            jnp.zeros((), jnp.float32) if routed is None else moe.router_loss(cfg, routed, mask_BxT)
+        )
+    return logp, extras

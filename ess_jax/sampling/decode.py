@@ -21,7 +21,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import kv_cache
+from ess_jax.model import kv_cache, moe
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.sampling import draw as draw_lib
 from ess_jax.sampling import precision as precision_lib
@@ -61,6 +61,10 @@ class DecodeState:
     cache: list
     kv_mask: jax.Array  # [B, S]
     rng: jax.Array
+    # [B, P + T, Ls, X] int32: each token's experts in each sparse layer as the sampler routed
+    # it (moe.NOT_RECORDED where it never went through the model: prompt pads, the last
+    # response column, the stop token and what follows); [B, P + T, 0, 0] for a dense model
+    routing: jax.Array
 
 
 def _constrain(tree, mesh: Mesh | None, logical):
@@ -87,6 +91,7 @@ def constrain_state(s: DecodeState, mesh) -> DecodeState:
         done=_constrain(s.done, mesh, rows),
         positions=_constrain(s.positions, mesh, rows),
         kv_mask=_constrain(s.kv_mask, mesh, rows),
+        routing=_constrain(s.routing, mesh, ("batch", None, None, None)),
         cache=[_constrain_cache(layer, mesh) for layer in s.cache],
     )
 
@@ -150,7 +155,13 @@ def prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, 
     positions = model_lib.positions_from_mask(mask_BxP)
     module = model_lib.bind(cfg, params)
     cache = st.init_cache(cfg, b, p + decode_bounds(t)[0])  # the first segment's length
-    x, cache = module.hidden(cfg, prompts_BxP, positions, kv_mask, cache, 0, attend_len=p)
+    x, cache, routed = module.hidden_routed(
+        cfg, prompts_BxP, positions, kv_mask, cache, 0, attend_len=p
+    )
+    routing = jnp.full((b, p + t, *moe.routing_shape(cfg)), moe.NOT_RECORDED, jnp.int32)
+    if routed is not None:  # the prompt's routing, pads left unrecorded
+        real = mask_BxP[:, :, None, None]
+        routing = routing.at[:, :p].set(jnp.where(real, routed.experts, moe.NOT_RECORDED))
     logits = module.logits(cfg, x[:, -1:])  # the last position only: no [B, P, V] logits
     rep = functools.partial(jnp.repeat, repeats=n, axis=0)  # sample j of prompt i: row i*n+j
     zeros = jnp.zeros((b * n, t), jnp.float32)
@@ -166,6 +177,7 @@ def prefill(params, prompts_BxP, mask_BxP, rng, temperature, top_p, *, cfg, st, 
         cache=jax.tree.map(rep, cache),
         kv_mask=rep(kv_mask),
         rng=rng,
+        routing=rep(routing),
     )
     s = constrain_state(s, mesh)
     # gather the vocab before repeating: vocab-sharded -> row-sharded has no cheap path
@@ -193,15 +205,18 @@ def decode_segment(params, s: DecodeState, temperature, top_p, *, bound, cfg, st
 
     def body(s):
         prev = jax.lax.dynamic_index_in_dim(s.tokens, s.step - 1, axis=1, keepdims=True)
-        logits, cache = model_lib.forward(
-            cfg,
-            precision_lib.dequantize(params),
-            prev,
-            s.positions[:, None],
-            kv_mask,
-            s.cache,
-            prompt_width + s.step - 1,
+        module = model_lib.bind(cfg, precision_lib.dequantize(params))
+        x, cache, routed = module.hidden_routed(
+            cfg, prev, s.positions[:, None], kv_mask, s.cache, prompt_width + s.step - 1
         )
+        logits = module.logits(cfg, x)
+        if routed is not None:  # the fed token's (response column step - 1) routing
+            experts = jnp.where(~s.done[:, None, None, None], routed.experts, moe.NOT_RECORDED)
+            s = s.replace(
+                routing=jax.lax.dynamic_update_slice_in_dim(
+                    s.routing, experts, prompt_width + s.step - 1, axis=1
+                )
+            )
         logits = _constrain(logits[:, 0], mesh, ("batch", None))  # whole vocab rows per device
         key = jax.random.fold_in(s.rng, s.step)
         tok, blp, rlp, lkm = next_token(logits, key, temperature, top_p, st)

@@ -16,6 +16,8 @@ log-probs' exactness is what `logprob_gap` measures against `score`):
               renormalised over the kept support (draw.py's rule), in the engine's own
               numerics; 0 on pads; 0 for greedy (a point mass)
   version     the params version that drew each row (the `update_params` version)
+  routing     optional (None): a mixture-of-experts policy's top-k experts of every token in
+              every sparse layer, as the engine routed it (model.routing_replay "sampler")
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class Generation:
     sequence_mask: np.ndarray  # [B, L] bool: real tokens (prompt and response)
     version: np.ndarray  # [B] int32: the params version that drew the row
     layout: RowLayout
+    # [B, L, Ls, X] int32: a mixture-of-experts policy's experts per token and sparse layer as
+    # drawn (moe.NOT_RECORDED where none); None: not recorded (a dense model, an engine that
+    # does not report it), the trainer then routes every token itself
+    routing: np.ndarray | None = None
 
 
 @runtime_checkable
@@ -112,6 +118,10 @@ def check_rows(gen: Generation, prompt_tokens_BxP, prompt_mask_BxP, sampling) ->
         and np.array_equal(seq_mask[:, p:], np.asarray(gen.response_mask).astype(bool))
     ):
         raise ValueError("rollout engine: sequences do not end with the rows' tokens")
+    if gen.routing is not None and np.shape(gen.routing)[:2] != (b, p + t):
+        raise ValueError(
+            f"rollout engine: routing {np.shape(gen.routing)}, not ({b}, {p + t}, layers, top-k)"
+        )
 
 
 def logprob_gap(engine: RolloutEngine, gen: Generation, prompt_len: int, sampling) -> float:
@@ -198,13 +208,17 @@ class JaxEngine:
         for i, (p, m) in enumerate(zip(np.split(prompts, calls), np.split(pmask, calls))):
             key = rng if calls == 1 else jax.random.fold_in(rng, i)
             out = sampler_lib.sample_prepared(sp, p, m, sampling, key, kv_cache=self.kv_cache)
-            parts.append({k: sharding_lib.to_host(getattr(out, k)) for k in _FIELDS})
-        fields = {k: np.concatenate([part[k] for part in parts]) for k in _FIELDS}
+            names = _FIELDS + (("routing",) if sp.cfg.num_experts else ())
+            parts.append({k: sharding_lib.to_host(getattr(out, k)) for k in names})
+        fields = {k: np.concatenate([part[k] for part in parts]) for k in parts[0]}
         layout = RowLayout(len(prompts), sampling.num_samples)
         version = np.full((layout.num_rows,), self.version, np.int32)
         return Generation(**fields, version=version, layout=layout)
 
-    def score(self, sequences_BxL, sequence_mask_BxL, prompt_len: int, sampling) -> np.ndarray:
+    def score(
+        self, sequences_BxL, sequence_mask_BxL, prompt_len: int, sampling, routing=None
+    ) -> np.ndarray:
+        """`RolloutEngine.score`; `routing` ([B, L, Ls, X], a `Generation`'s): replayed."""
         sp = self.sampler_params()
         seq = np.asarray(sequences_BxL).astype(np.int32)
         mask = np.asarray(sequence_mask_BxL).astype(bool)
@@ -213,17 +227,20 @@ class JaxEngine:
         behaviour = Behaviour(sampling.temperature, sampling.top_k, sampling.top_p)
         cfg = precision_lib.sample_config(sp.cfg, sp.precision)
         fn = _score_fn(cfg, int(prompt_len), behaviour)
-        return np.asarray(jax.device_get(fn(sp.params, seq, mask)))
+        return np.asarray(jax.device_get(fn(sp.params, seq, mask, routing)))
 
 
 @functools.lru_cache(maxsize=16)
 def _score_fn(cfg, prompt_len: int, behaviour: Behaviour):
     """Teacher-forced log pi_b in the sampler's format: its dequantized weights and compute
-    dtype, the logits tempered and truncated as `draw.draw` does (rescore.behaviour_logprobs)."""
+    dtype, the logits tempered and truncated as `draw.draw` does (rescore.behaviour_logprobs),
+    a recorded routing replayed if one is given."""
 
-    def score(params, tokens_BxL, mask_BxL):
+    def score(params, tokens_BxL, mask_BxL, routing_BxLxLsxX):
         params = precision_lib.dequantize(params)
-        module, x = scored_hidden(cfg, params, tokens_BxL, mask_BxL, prompt_len)
+        module, x = scored_hidden(
+            cfg, params, tokens_BxL, mask_BxL, prompt_len, routing_BxTxLxX=routing_BxLxLsxX
+        )
         logq, _ = behaviour_logprobs(module.logits(cfg, x), behaviour)
         tgt = tokens_BxL[:, prompt_len:]
         logp = jnp.take_along_axis(logq, tgt[..., None], axis=-1)[..., 0]

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import lora
+from ess_jax.model import lora, moe
 from ess_jax.model.scoring import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -108,7 +108,8 @@ def logp_fn_for(
       rescored_behaviour_logp  log pi_b(y_t) of the re-score: must match the recorded one
       entropy                  (with `entropy`) the policy's full-distribution entropy
     `behaviour_params`: {"policy": ..., "external": ... (iff behaviour.external_cfg)}. `mb` needs
-    tokens, attn_mask and, with an external model, policy_version ([B] or [B, 1]). `chunk`:
+    tokens, attn_mask and, with an external model, policy_version ([B] or [B, 1]); a recorded
+    routing (moe.ROUTING) is replayed by the policy and its pi_b alike. `chunk`:
     response positions per LM-head call (default: cfg.logits_chunk; <= 0: all at once)."""
     chunk = cfg.logits_chunk if chunk is None else chunk
     sg = jax.lax.stop_gradient
@@ -121,12 +122,17 @@ def logp_fn_for(
     def logp_fn(params, mb):
         tokens, mask = mb["tokens"], mb["attn_mask"].astype(bool)
 
-        def response_hidden(c, p, keys=None):  # the hidden states that predict the responses
-            return scored_hidden(c, p, tokens, mask, prompt_len, keys)
+        def response_hidden(c, p, keys=None, routing=None):  # what predicts the responses
+            return scored_hidden(c, p, tokens, mask, prompt_len, keys, routing)
 
-        # the policy with its LoRA dropout (keys in mb: the trainer's step), pi_b without
-        policy, x = response_hidden(cfg, params, mb.get(lora.DROPOUT_KEYS))
-        behaviours = [response_hidden(c, p) for c, p in sources]
+        # the policy with its LoRA dropout (keys in mb: the trainer's step), pi_b without; the
+        # policy's recorded routing replayed in both (the external model routes itself)
+        routing = mb.get(moe.ROUTING)
+        policy, x = response_hidden(cfg, params, mb.get(lora.DROPOUT_KEYS), routing)
+        behaviours = [
+            response_hidden(c, p, routing=routing if i == 0 else None)
+            for i, (c, p) in enumerate(sources)
+        ]
         external_rows = mb["policy_version"].reshape(-1) < 0 if len(sources) > 1 else None
 
         def score(x_BxCxD, tgt_BxC, *xb_BxCxD):

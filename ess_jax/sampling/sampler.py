@@ -26,6 +26,11 @@ what each rounds) and the KV cache's precision ("compute", "bfloat16", "fp8": mo
 The low-precision modes reproduce the train/inference mismatch of the paper's FP8-rollout
 experiment; every recorded log-prob is that of the rounded model that drew the token.
 
+On a mixture-of-experts model the sampler also records `routing`, each token's top-k experts in
+each sparse layer as its own rounded router chose them (the prompt's in the prefill, response
+token t's in the decode step that feeds it): what the trainer replays under
+model.routing_replay "sampler" (model/moe.py `route`).
+
 The sampler's copy of the params (`SamplerParams`, made by `prepare`): the params in the
 sample layout and in `precision`'s format. `sample` prepares it per call; `sample_prepared`
 takes one made once (per rollout batch: sampling/engine.py; LoRA's merge straight into the
@@ -97,6 +102,9 @@ class SampleOutput:
     finished: jax.Array  # [B] bool: ended with a stop token (False: hit max_new_tokens)
     sequences: jax.Array  # [B, P+T] int32: the (original-width) prompt, then the response
     sequence_mask: jax.Array  # [B, P+T] bool: what the trainer teacher-forces on
+    # [B, P+T, Ls, X] int32: the experts each token went to in each sparse layer (decode.py
+    # DecodeState.routing; moe.NOT_RECORDED where none); [B, P+T, 0, 0] for a dense model
+    routing: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +267,7 @@ def sample_prepared(
         finished=state.done,
         sequences=jnp.concatenate([prompts, state.tokens], axis=1),
         sequence_mask=jnp.concatenate([pmask, state.mask], axis=1),
+        routing=state.routing,
     )
 
 
