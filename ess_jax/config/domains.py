@@ -160,6 +160,10 @@ KV_CACHE_PRECISIONS = ("compute", "bfloat16", "fp8")
 # in the param dtype ("compute") or as int8 / int4 codes with per-output-channel scales (QLoRA)
 LORA_BASE_PRECISIONS = ("compute", "int8", "int4")
 
+# model.routing_replay (meanings: ess_jax/model/moe.py): a mixture-of-experts trainer routes
+# every token itself ("none") or replays the experts the sampler recorded ("sampler", R3).
+ROUTING_REPLAYS = ("none", "sampler")
+
 # train.mode (meanings: ess_jax/rl/actor_learner.py).
 TRAIN_MODES = ("sync", "async")
 

@@ -29,6 +29,7 @@ from ess_jax.config.domains import (
     NONNEG,
     POSITIVE,
     PRECISIONS,
+    ROUTING_REPLAYS,
     TRAIN_MODES,
     UNIT,
     UNIT_OPEN_HI,
@@ -109,6 +110,15 @@ class ModelFields:
     )
     decode_block: int = knob(
         256, ints(1), "decode_attention blockwise: positions per block of the KV cache"
+    )
+    # a mixture-of-experts source (Qwen3-MoE) only; validate refuses them on a dense model
+    routing_replay: str = knob(
+        "none",
+        Choice(ROUTING_REPLAYS),
+        "MoE: the trainer's experts: its own top-k (none) or those the sampler recorded (sampler)",
+    )
+    moe_aux_loss_coef: float = knob(
+        0.0, NONNEG, "MoE: weight of the router's load-balancing loss in the RL and SFT losses"
     )
     # the embedded model only: a char-level Llama-style decoder trained from scratch
     hidden_size: int = knob(64, ints(1), "embedded model: the width D")

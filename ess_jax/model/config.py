@@ -11,7 +11,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ess_jax.config.domains import ATTENTION_IMPLS, DECODE_ATTENTIONS, LORA_BASE_PRECISIONS
+from ess_jax.config.domains import (
+    ATTENTION_IMPLS,
+    DECODE_ATTENTIONS,
+    LORA_BASE_PRECISIONS,
+    ROUTING_REPLAYS,
+)
 from ess_jax.model import lora
 
 
@@ -80,6 +85,12 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # the trainer's use of an MoE model (rl/steps.py): "sampler" replays the routing the
+    # sampler recorded in its forwards of a rollout batch (moe.route); moe_aux_loss_coef > 0
+    # adds that times the router's load-balancing loss (moe.router_loss) to the RL and SFT
+    # losses (transformers' router_aux_loss_coef)
+    routing_replay: str = "none"
+    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         if self.num_experts:
@@ -98,6 +109,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.lora_dropout {self.lora_dropout}: must be in [0, 1), and 0 "
                 "without adapters (lora_rank 0)"
+            )
+        if self.routing_replay not in ROUTING_REPLAYS:
+            raise ValueError(
+                f"ModelConfig.routing_replay: unknown {self.routing_replay!r}; "
+                f"one of {', '.join(ROUTING_REPLAYS)}"
             )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(

@@ -91,16 +91,39 @@ SCOPES = {"step": step_scope, "microbatch": microbatch_scope, "microbatch_local"
 
 class Accumulator:
     """One step's objective and gradient function, and the scan that sums micro-batch
-    gradients (float32 accumulation even for low-precision params: M partial sums lose bits)."""
+    gradients (float32 accumulation even for low-precision params: M partial sums lose bits).
 
-    def __init__(self, logp_fn: LogpFn, objective: Objective, config: ObjectiveConfig, params):
+    A log-prob function whose extras hold "router_loss" (an MoE router's load-balancing loss,
+    steps.logp_fn_for) adds `router_coef` times its mean over the M micro-batches to the loss,
+    and reports that mean as the metric "router_loss": each micro-batch's share is 1 / M where
+    the scope sums the micro-batches' losses and metrics, 1 where it averages them."""
+
+    def __init__(
+        self,
+        logp_fn: LogpFn,
+        objective: Objective,
+        config: ObjectiveConfig,
+        params,
+        router_coef: float = 0.0,
+        num_microbatches: int = 1,
+    ):
         self.logp_fn, self.objective, self.config, self.params = logp_fn, objective, config, params
+        averaged = config.ess_scope == "microbatch_local"
+        self.router_share = 1.0 if averaged else 1.0 / num_microbatches
+        self.router_coef = router_coef
         self.grad_fn = jax.value_and_grad(self._loss, has_aux=True)
 
     def loss_of(self, out, mb):
-        """The objective on a log-prob function's output for micro-batch mb."""
+        """The objective on a log-prob function's output for micro-batch mb, plus its share of
+        the router's load-balancing loss if the output has one."""
         logp, extras = _unpack(out)
-        return self.objective.loss(logp, {**mb, **extras}, self.config)
+        extras = dict(extras)
+        router = extras.pop("router_loss", None)
+        loss, metrics = self.objective.loss(logp, {**mb, **extras}, self.config)
+        if router is None:
+            return loss, metrics
+        share = self.router_share * router
+        return loss + self.router_coef * share, {**metrics, "router_loss": share}
 
     def _loss(self, p, mb):
         out = self.logp_fn(p, mb)

@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from ess_jax.data.layout import RowLayout
+from ess_jax.model import moe
 from ess_jax.rl import advantages as adv_lib
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.sampling.engine import RolloutEngine
@@ -111,7 +112,8 @@ def _assemble(slots, tokenizer) -> rollout_lib.Rollout:
         for src, i in slots:
             x = np.asarray(getattr(src, name))[src.layout.rows_of(i)]
             if left_pad is not None and src.prompt_len < width:
-                x = np.pad(x, ((0, 0), (width - src.prompt_len, 0)), constant_values=left_pad)
+                pad = [(0, 0), (width - src.prompt_len, 0)] + [(0, 0)] * (x.ndim - 2)
+                x = np.pad(x, pad, constant_values=left_pad)
             parts.append(x)
         return np.concatenate(parts)
 
@@ -125,4 +127,5 @@ def _assemble(slots, tokenizer) -> rollout_lib.Rollout:
         policy_version=take("policy_version"),
         layout=RowLayout(len(slots), slots[0][0].layout.group_size),
         prompt_len=width,
+        routing=None if slots[0][0].routing is None else take("routing", moe.NOT_RECORDED),
     )

@@ -123,11 +123,22 @@ def num_experts(source: str) -> int:
 
 def _check_experts(config) -> None:
     """A mixture-of-experts source takes no LoRA adapters; mesh.expert shards experts, so it
-    needs an MoE model whose expert count it divides. Checked before any weight is loaded."""
+    needs an MoE model whose expert count it divides; routing replay and the router's
+    auxiliary loss need a router. Checked before any weight is loaded."""
     experts = num_experts(config.model.source)
     if experts and int(config.model.lora.rank):
         fail("model.lora.rank", f"LoRA adapters on a mixture-of-experts model ({experts} "
              "experts per sparse layer) are not supported; use rank 0")  # fmt: skip
+    if not experts and config.model.get("routing_replay", "none") != "none":
+        fail("model.routing_replay", f"{config.model.source!r} is a dense model (no experts "
+             "to route); use none")  # fmt: skip
+    aux = float(config.model.get("moe_aux_loss_coef", 0.0))
+    if not experts and aux:
+        fail("model.moe_aux_loss_coef", f"{config.model.source!r} is a dense model (no "
+             "router to balance); use 0")  # fmt: skip
+    if aux and config.objective.get("kl_estimator") == "full":
+        fail("model.moe_aux_loss_coef", "the router's loss is not in objective.kl_estimator "
+             "'full''s forward; use 0 or another estimator")  # fmt: skip
     n = int(config.mesh.get("expert", 1))
     if n > 1 and not experts:
         fail("mesh.expert", f"{n} expert ranks, but {config.model.source!r} is a dense model "
@@ -155,7 +166,8 @@ def _check_checkpoint(field: str, source: str) -> None:
 
 def trainer_settings(mcfg) -> dict[str, Any]:
     """The ModelConfig fields the experiment config sets on every model, embedded or loaded:
-    compute dtype, LM-head chunk, remat, attention implementation, decode attention."""
+    compute dtype, LM-head chunk, remat, attention implementation, decode attention, and an
+    MoE model's routing replay and router-loss weight."""
     return {
         "dtype": mcfg.dtype,
         "logits_chunk": int(mcfg.logits_chunk),
@@ -163,6 +175,8 @@ def trainer_settings(mcfg) -> dict[str, Any]:
         "attention_impl": mcfg.get("attention_impl", "einsum"),
         "decode_attention": mcfg.get("decode_attention", "dense"),
         "decode_block": int(mcfg.get("decode_block", 256)),
+        "routing_replay": str(mcfg.get("routing_replay", "none")),
+        "moe_aux_loss_coef": float(mcfg.get("moe_aux_loss_coef", 0.0)),
     }
 
 

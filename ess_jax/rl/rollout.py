@@ -29,6 +29,7 @@ import numpy as np
 from flax import struct
 
 from ess_jax.data.layout import RowLayout
+from ess_jax.model import moe
 from ess_jax.rl import advantages as adv_lib
 from ess_jax.rl import lora_policy
 from ess_jax.sampling import engine as engine_lib
@@ -51,6 +52,9 @@ class Rollout:
     policy_version: jax.Array  # [B] int32: trainer step whose params drew it (-1: external)
     layout: RowLayout = struct.field(pytree_node=False)
     prompt_len: int = struct.field(pytree_node=False, default=0)
+    # [B, P+T, Ls, X] int32: an MoE policy's experts per token and sparse layer as the engine
+    # routed them (moe.NOT_RECORDED on the external model's rows and where none); None: none
+    routing: jax.Array | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -156,10 +160,15 @@ def collect(
     gen = _generate(policy, prompts, pmask, _sampling(rcfg, group - n_ext), rng_pol)
     fields = {k: getattr(gen, k) for k in ("sequences", "sequence_mask", "behaviour_logp")}
     fields.update(tokens=gen.tokens, response_mask=gen.response_mask, version=gen.version)
+    if gen.routing is not None:
+        fields["routing"] = gen.routing
     if n_ext:
         ext = _generate(external, prompts, pmask, _sampling(rcfg, n_ext), rng_ext)
-        ext_fields = {k: getattr(ext, k) for k in fields if k != "version"}
+        ext_fields = {k: getattr(ext, k) for k in fields if k not in ("version", "routing")}
         ext_fields["version"] = np.full_like(ext.version, EXTERNAL_VERSION)
+        if "routing" in fields:  # another model's experts: the policy routes those rows itself
+            shape = (len(ext.version), *gen.routing.shape[1:])
+            ext_fields["routing"] = np.full(shape, moe.NOT_RECORDED, np.int32)
         # external samples first in each group, their pi_b is the external model's log-prob
         fields = {
             k: _join_groups(ext_fields[k], v, ext.layout, gen.layout) for k, v in fields.items()
@@ -191,6 +200,7 @@ def collect(
         policy_version=fields["version"].astype(np.int32),
         layout=layout,
         prompt_len=int(prompts.shape[1]),
+        routing=fields.get("routing"),
     )
     grouped = layout.grouped(rewards)  # [prompts, G]
     metrics = {

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from ess_jax.model import lora, scoring
+from ess_jax.model import lora, moe, scoring
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import optim
 
@@ -64,8 +64,10 @@ def with_dropout_keys(cfg, batch, seed: int, step, batch_sh, phase: int = lora.R
 
 
 def make_sft_step(cfg, tx, state_sh, batch_sh, seed: int = 0):
-    """Cross-entropy on demonstrations (completion tokens only); with cfg.lora_dropout the
-    adapters' dropout keys come from `seed` and the update count."""
+    """Cross-entropy on demonstrations (completion tokens only), plus cfg.moe_aux_loss_coef
+    times the router's load-balancing loss (its metric "router_loss") when that is > 0; with
+    cfg.lora_dropout the adapters' dropout keys come from `seed` and the update count."""
+    aux = cfg.moe_aux_loss_coef > 0
 
     def step(state, batch):
         batch = with_dropout_keys(cfg, batch, seed, state.step, batch_sh, lora.SFT_DROPOUT)
@@ -73,13 +75,16 @@ def make_sft_step(cfg, tx, state_sh, batch_sh, seed: int = 0):
         def loss_fn(params):
             params = lora.join(state.frozen, params)
             keys = batch.get(lora.DROPOUT_KEYS)
-            logp = scoring.token_logprobs(cfg, params, batch["tokens"], dropout_keys=keys)
+            logp, extras = scoring.token_logprobs_and_extras(
+                cfg, params, batch["tokens"], dropout_keys=keys, router_loss=aux
+            )
             m = batch["loss_mask"].astype(jnp.float32)
-            return -jnp.sum(logp * m) / jnp.maximum(m.sum(), 1.0)
+            loss = -jnp.sum(logp * m) / jnp.maximum(m.sum(), 1.0)
+            return loss + cfg.moe_aux_loss_coef * extras.get("router_loss", 0.0), extras
 
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        (loss, extras), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         state, grad_norm, _ = optim.apply_update(state, tx, loss, grads)
-        return state, {"loss": loss, "grad_norm": grad_norm}
+        return state, {"loss": loss, "grad_norm": grad_norm, **extras}
 
     return jax.jit(
         sharding_lib.under_mesh(step, batch_sh.mesh),
@@ -89,14 +94,17 @@ def make_sft_step(cfg, tx, state_sh, batch_sh, seed: int = 0):
     )
 
 
-def logp_fn_for(cfg, prompt_len: int, entropy: bool = False):
+def logp_fn_for(cfg, prompt_len: int, entropy: bool = False, router_loss: bool = False):
     """Teacher-forced log-probs of the response tokens (trainer: T=1, float32). With `entropy`,
     (logp, {"entropy": ...}): the full-distribution entropy at each response position, which
     the objectives' entropy bonus uses instead of the -logp proxy (it carries the gradient).
-    Rows of `mb` with dropout keys (lora.DROPOUT_KEYS: the RL update's) get LoRA dropout."""
+    With `router_loss`, (logp, {"router_loss": ...}): the MoE router's load-balancing loss of
+    the same forward (a scalar; the update adds cfg.moe_aux_loss_coef times it to the loss).
+    Rows of `mb` with dropout keys (lora.DROPOUT_KEYS: the RL update's) get LoRA dropout; rows
+    with a recorded routing (moe.ROUTING, under cfg.routing_replay "sampler") replay it."""
 
     def logp_fn(params, mb):
-        out = scoring.token_logprobs(
+        logp, extras = scoring.token_logprobs_and_extras(
             cfg,
             params,
             mb["tokens"],
@@ -104,8 +112,10 @@ def logp_fn_for(cfg, prompt_len: int, entropy: bool = False):
             entropy,
             start=prompt_len,
             dropout_keys=mb.get(lora.DROPOUT_KEYS),
+            routing_BxTxLxX=mb.get(moe.ROUTING),
+            router_loss=router_loss,
         )
-        return out if not entropy else (out[0], {"entropy": out[1]})
+        return (logp, extras) if extras else logp
 
     return logp_fn
 
@@ -114,14 +124,15 @@ def logp_fn_for(cfg, prompt_len: int, entropy: bool = False):
 def score_fn(cfg, prompt_len, mesh, num_chunks: int):
     """Teacher-forced response log-probs under some params (proximal / reference policy), in
     `num_chunks` strided row chunks (the train step's micro-batch size: a whole rollout batch
-    at once would hold every sequence's activations)."""
+    at once would hold every sequence's activations); a batch's recorded routing (moe.ROUTING) is
+    replayed."""
     logp_fn = logp_fn_for(cfg, prompt_len)
 
     def split(x):  # strided, as accumulate's micro-batches: every chunk has rows on every device
         return x.reshape(x.shape[0] // num_chunks, num_chunks, *x.shape[1:]).swapaxes(0, 1)
 
     def score(params, batch):
-        inputs = {k: split(batch[k]) for k in ("tokens", "attn_mask")}
+        inputs = {k: split(batch[k]) for k in ("tokens", "attn_mask", moe.ROUTING) if k in batch}
         logp = jax.lax.map(lambda mb: logp_fn(params, mb), inputs)
         return logp.swapaxes(0, 1).reshape(-1, logp.shape[-1])
 

@@ -57,7 +57,7 @@ import numpy as np
 import optax
 
 from ess_jax import objectives as obj_lib
-from ess_jax.model import lora
+from ess_jax.model import lora, moe
 from ess_jax.model.config import ModelConfig
 from ess_jax.objectives import scopes
 from ess_jax.objectives.core import merge_microbatches
@@ -123,14 +123,16 @@ class Learner:
 
         # 1 the batch, and pi_b's params for the full KL (copied before any update donates)
         behaviour = full.inputs(params_b, self.state_sh.params, self.external) if full else None
-        batch = sharding_lib.shard_batch(rollout_to_batch(rollout, full), mesh)
+        replay = ucfg.model.routing_replay == "sampler"
+        batch = sharding_lib.shard_batch(rollout_to_batch(rollout, full, replay), mesh)
 
         # 2 pi_prox and the reference: teacher-forced, before any update
         score = steps.score_fn(ucfg.model, rollout.prompt_len, mesh, m * n_upd)
         if obj_lib.needs_prox(ucfg.objective):
             batch["prox_logp"] = score(lora.join(state.frozen, state.params), batch)
-        if ref_params is not None:
-            batch["ref_logp"] = score(lora.join(state.frozen, ref_params), batch)
+        if ref_params is not None:  # the reference routes every token itself
+            own = {k: v for k, v in batch.items() if k != moe.ROUTING}
+            batch["ref_logp"] = score(lora.join(state.frozen, ref_params), own)
 
         # 3 U updates, each on its own B' rows
         key = StepKey(rollout.prompt_len, full)
@@ -156,8 +158,11 @@ class Learner:
         return state, row
 
 
-def rollout_to_batch(r: rollout_lib.Rollout, full: FullKL | None = None) -> dict:
-    """The update's arrays; with `full`, also the column its re-score reads."""
+def rollout_to_batch(
+    r: rollout_lib.Rollout, full: FullKL | None = None, routing: bool = False
+) -> dict:
+    """The update's arrays; with `full`, also the column its re-score reads; with `routing`
+    (model.routing_replay "sampler"), the rollout's recorded routing, if it has one."""
     batch = {
         "tokens": r.tokens,
         "attn_mask": r.attn_mask,
@@ -167,6 +172,8 @@ def rollout_to_batch(r: rollout_lib.Rollout, full: FullKL | None = None) -> dict
     }
     if full is not None:
         batch.update(full.batch_rows(r))
+    if routing and r.routing is not None:
+        batch[moe.ROUTING] = r.routing
     return batch
 
 
@@ -197,8 +204,9 @@ def update_step(ucfg: UpdateConfig, key: StepKey, batch_sh, state, rows, behavio
     ocfg, m = ucfg.objective, ucfg.num_microbatches
     entropy = ocfg.beta_ent != 0
     # the log-prob function the gradient differentiates
+    router = ucfg.model.moe_aux_loss_coef > 0
     if key.full_kl is None:
-        logp_fn = steps.logp_fn_for(ucfg.model, key.prompt_len, entropy=entropy)
+        logp_fn = steps.logp_fn_for(ucfg.model, key.prompt_len, entropy, router)
     else:  # pi_b's whole distribution re-scored beside it
         logp_fn = key.full_kl.logp_fn(ucfg.model, key.prompt_len, state, behaviour_params, entropy)
     if state.frozen is not None:  # LoRA: the gradient of the adapters only
@@ -213,7 +221,15 @@ def update_step(ucfg: UpdateConfig, key: StepKey, batch_sh, state, rows, behavio
 
     # micro-batches, the ESS statistics pass and the gradient
     loss, grads, metrics = step_loss_and_grad(
-        logp_fn, state.params, rows, ocfg, m, shuffle, row_blocks, group_size=ucfg.group_size
+        logp_fn,
+        state.params,
+        rows,
+        ocfg,
+        m,
+        shuffle,
+        row_blocks,
+        group_size=ucfg.group_size,
+        router_coef=ucfg.model.moe_aux_loss_coef,
     )
 
     # the optimizer
@@ -230,6 +246,7 @@ def step_loss_and_grad(
     key: jax.Array | None = None,
     row_blocks: int = 1,
     group_size: int | None = None,
+    router_coef: float = 0.0,
 ) -> tuple[jax.Array, Any, obj_lib.Metrics]:
     """Loss, gradient and metrics of one optimizer batch, accumulated over micro-batches.
 
@@ -244,6 +261,7 @@ def step_loss_and_grad(
     of the whole batch, in rollout row order (`group_size` consecutive rows per prompt); its
     rows and scalars join the batch. The metrics include `core.mismatch_metrics` of the whole
     batch (one sort of its B x T log-ratios: the micro-batches' log-probs are kept for it).
+    A "router_loss" extra of `logp_fn` joins the loss times `router_coef` (`Accumulator`).
     """
     m = num_microbatches
     batch_size = batch["mask"].shape[0]
@@ -251,7 +269,7 @@ def step_loss_and_grad(
         raise ValueError(f"batch size {batch_size} is not divisible by num_microbatches={m}")
     rows, shared = scopes.rows_and_shared(batch, config)
     objective = obj_lib.get_objective(config.name)
-    acc = accumulate.Accumulator(logp_fn, objective, config, params)
+    acc = accumulate.Accumulator(logp_fn, objective, config, params, router_coef, m)
     if objective.batch_pass is not None:
         sq_B, logp_BxT = accumulate.seq_grad_sq(logp_fn, jax.lax.stop_gradient(params), rows, m)
         added_rows, added_shared = objective.batch_pass(sq_B, logp_BxT, rows, config, group_size)
