@@ -36,6 +36,13 @@ _ALLOW = flags.DEFINE_list(
     "when resuming; train.steps, train.checkpoint_every, eval and mesh always may.",
 )
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Tracebacks for config/workdir/checkpoint errors.")
+_ROLE = flags.DEFINE_enum(
+    "role",
+    None,
+    ["trainer", "sampler"],
+    "train.mode async in two programs (ess_jax/rl/groups.py): this one's group; sets "
+    "train.async_role. Start both with the same command otherwise.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -89,8 +96,15 @@ def main(argv) -> None:
     logging.getLogger().setLevel(logging.WARNING)
     try:
         config = _config()
+        if _ROLE.value:
+            config.train.async_role = _ROLE.value
         config_checks.check(config)
         presets.set_memory_fraction()  # the planner's share of GPU memory, before jax starts
+        if config.train.async_role == "sampler":  # draws for the trainer group; no workdir
+            from ess_jax.rl import groups
+
+            reason = groups.serve(config)
+            _exit(f"{reason}; the sampler group exits", 0, prefix="stopped: ")
         from ess_jax.rl import train  # jax initialises devices on import of train
 
         png = train.run(config, _WORKDIR.value, allow_config_change=_ALLOW.value)

@@ -1,12 +1,17 @@
 """One process of a run in tests/test_multihost.py: `python -m ess_jax.main` as a pod host runs
 it, plus two hooks from the test (README's style): a coin-flip reward `coin` (a random policy
 earns it half the time, so the updates really move the policy), and a stderr line naming the
-step each process restored (`restored step N`; None for a fresh run).
+step each process restored (`restored step N`; None for a fresh run). For tests/test_groups.py,
+two faults planted by environment variables: ESS_JAX_TEST_DIE_IN_PUSH=V kills the trainer group
+(SIGKILL, itself) in the middle of pushing params version V (registered for the pull, not yet
+announced); ESS_JAX_TEST_DIE_AFTER_BATCH=K kills the sampler group once it has sent batch K.
 
 The test sets the environment: XLA_FLAGS (fake CPU devices, one XLA thread), JAX_PLATFORMS,
 and for a multi-process run JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID.
 """
 
+import os
+import signal
 import sys
 import zlib
 
@@ -14,7 +19,7 @@ import jax
 from absl import app
 
 from ess_jax import main, rewards
-from ess_jax.rl import train
+from ess_jax.rl import actor_learner, groups, train
 
 
 def coin_reward(text: str, example: dict) -> float:
@@ -30,7 +35,32 @@ def _logged_restore(restore):
     return wrapped
 
 
+def _die_in_push(send, version: int):
+    def wrapped(self, msg):
+        if isinstance(msg, groups.Params) and msg.version == version:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return send(self, msg)
+
+    return wrapped
+
+
+def _die_after_batch(next_batch, k: int):
+    def wrapped(self):
+        batch = next_batch(self)
+        if batch.index == k + 1:  # batch k has been sent
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch
+
+    return wrapped
+
+
 if __name__ == "__main__":
     rewards.REWARDS["coin"] = coin_reward
+    if v := os.environ.get("ESS_JAX_TEST_DIE_IN_PUSH"):
+        groups.RemoteLink._send = _die_in_push(groups.RemoteLink._send, int(v))
+    if k := os.environ.get("ESS_JAX_TEST_DIE_AFTER_BATCH"):
+        actor_learner.Sampler.next_batch = _die_after_batch(
+            actor_learner.Sampler.next_batch, int(k)
+        )
     train.Run.try_restore = _logged_restore(train.Run.try_restore)
     app.run(main.main, flags_parser=main._parse_flags)

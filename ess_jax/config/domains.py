@@ -2,8 +2,9 @@
 an interval of numbers; `Choice`, a fixed set of strings; `Free`, a string without a fixed set,
 with what checks it; `Flag`, a bool; `FreeForm`, a mapping whose keys a config chooses), the
 common intervals, and the named sets of choices that other layers import (`PRECISIONS`,
-`KV_CACHE_PRECISIONS`, `ATTENTION_IMPLS`, `ESS_SCOPES`, `TRAIN_MODES`, `LORA_BASE_PRECISIONS`,
-`MODEL_DTYPES`, `LR_SCHEDULES`, `ADVANTAGE_MODES`, the objective's) and `LORA_TARGETS`.
+`KV_CACHE_PRECISIONS`, `ATTENTION_IMPLS`, `ESS_SCOPES`, `TRAIN_MODES`, `ASYNC_ROLES`,
+`LORA_BASE_PRECISIONS`, `MODEL_DTYPES`, `LR_SCHEDULES`, `ADVANTAGE_MODES`, the objective's) and
+`LORA_TARGETS`.
 
 Every kind answers `contains(value)` and `describe()` (what a refusal says the value must be).
 The field records that use them are fields.py's and objective_fields.py's.
@@ -166,6 +167,10 @@ ROUTING_REPLAYS = ("none", "sampler")
 
 # train.mode (meanings: ess_jax/rl/actor_learner.py).
 TRAIN_MODES = ("sync", "async")
+
+# train.async_role (meanings: ess_jax/rl/groups.py): both sides in one process, or one group of
+# a two-program run.
+ASYNC_ROLES = ("both", "trainer", "sampler")
 
 # model.dtype: the trainer's compute dtype (params stay float32 masters; model/config.py).
 MODEL_DTYPES = ("float32", "bfloat16", "float16")

@@ -18,6 +18,7 @@ import dataclasses
 
 from ess_jax.config.domains import (
     ADVANTAGE_MODES,
+    ASYNC_ROLES,
     ATTENTION_IMPLS,
     DECODE_ATTENTIONS,
     FLAG,
@@ -274,6 +275,14 @@ class TrainFields:
     )
     async_rollout_tensor: int = knob(1, ints(1), "async: the rollout mesh's tensor axis")
     sync_every: int = knob(1, ints(1), "async: push the trainer's params every k RL steps")
+    # both: the sampler thread and the trainer in this process; trainer / sampler: this
+    # program is one group of a two-program run (ess_jax/rl/groups.py; main's --role sets it)
+    async_role: str = knob("both", Choice(ASYNC_ROLES), "async: both | trainer | sampler")
+    async_address: str = knob(
+        "",
+        Free("host:port, schema.check (async roles)"),
+        "async roles: the trainer group's host:port, where the sampler group connects",
+    )
 
 
 @frozen

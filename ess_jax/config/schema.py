@@ -118,6 +118,7 @@ def check_rules(config) -> None:
             )
     _check_learnable(get)
     _check_async(get)
+    _check_roles(get)
     if v := get("rollout.external_fraction", "rollout.external_checkpoint", "rollout.group_size"):
         fraction, checkpoint, group = v
         if fraction > 0 and not checkpoint:
@@ -193,6 +194,26 @@ def _check_async(get) -> None:
             "'full' re-scores pi_b from its params, which train.mode 'async' does not keep per "
             "version: use k1/k2/k3",
         )
+
+
+def _check_roles(get) -> None:
+    """train.async_role trainer / sampler (ess_jax/rl/groups.py): one group of a train.mode
+    "async" run in two programs, which meet at train.async_address (host:port). The sampler
+    group loads no adapters' base yet, so model.lora is refused with it."""
+    v = get("train.async_role", "train.async_address", "train.mode")
+    if not v or v[0] == "both":
+        return
+    role, address, mode = v
+    if mode != "async":
+        fail("train.async_role", f"{role!r} is one group of train.mode 'async', not {mode!r}")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        fail(
+            "train.async_address",
+            f"{address!r} is not host:port (the trainer group's, where the sampler connects)",
+        )
+    if (r := get("model.lora.rank")) and r[0] > 0:
+        fail("model.lora.rank", "LoRA is not built for the two-group async run (train.async_role)")
 
 
 def check_full_kl(config) -> None:

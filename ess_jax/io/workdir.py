@@ -48,6 +48,7 @@ SAFE_ON_RESUME = (
     "train.checkpoint_every",
     "train.export_hf",
     "train.restore_fallback",
+    "train.async_address",  # where the two groups meet, not what they compute
     "task.cache_dir",  # where the data's tfds build lives, not what it holds
     "eval",
     "mesh",

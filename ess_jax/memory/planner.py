@@ -5,7 +5,8 @@ length (float32 params and AdamW moments, the policy history and an external mod
 FSDP-sharded train layout) and the transients of each phase: the train step (gradients, update
 temporaries, FSDP-gathered weights, one micro-batch's activations, chunked or not), a sampler
 collection (the sample-layout gather of the weights, their bfloat16 / fp8 copy, the KV cache,
-prefill and decode temporaries), eval and the history push; the peak phase decides. Shapes
+prefill and decode temporaries), eval, the history push and, for a group of a two-program
+async run (train.async_role), the params copy of a sync; the peak phase decides. Shapes
 and shardings are exact (`jax.eval_shape` of the optimizer, the model's logical axes on an
 abstract mesh of any size); the per-unit coefficients (COEF) are XLA's, fitted to
 `compiled.memory_analysis()` on CPU. tests/test_plan_memory.py holds the estimates within 25% of
@@ -223,4 +224,10 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
         )  # fmt: skip
     if r.lag:
         phases["history push"] = {"new version": trained}
+    if t.get("mode") == "async" and t.get("async_role", "both") != "both":
+        # rl/groups.py: the trainer offers a copy of its params for each pull, which may
+        # outlive the next train step; the sampler group pulls the same shards while it
+        # samples, then gathers them to its sample layout (the sample phase's weights)
+        for phase in ("train step", "sample"):
+            phases.get(phase, {})["params sync copy (train layout)"] = trained
     return Plan(device, sizes, resident, phases)

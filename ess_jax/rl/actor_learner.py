@@ -166,12 +166,13 @@ class Sampler:
                 if not self._thread.is_alive():
                     raise SamplerError("the sampler thread stopped") from None
 
-    def stop(self, timeout: float = 600.0) -> None:
-        """Tell the thread to stop and wait for it (a collection in flight finishes first)."""
+    def stop(self, timeout: float = 600.0, wait: bool = True) -> None:
+        """Tell the thread to stop and (`wait`) wait for it (a collection in flight finishes
+        first)."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        if self._thread is not threading.current_thread():
+        if wait and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logging.error("the sampler thread did not stop within %.0f s", timeout)
@@ -250,18 +251,14 @@ class SyncLoop:
         return trainer.learn(step, rollout, metrics, version, params_b, t0)
 
 
-class ActorLearner:
-    """train.mode "async": the steps of `Run._run`, each fed by the sampler thread.
-
-    Two data positions: the sampler's own batcher (`PromptBatcher.fork`) reads ahead, and the
-    trainer's batcher is moved to each batch's `data_after` as the trainer takes it, so a
-    checkpoint (`Run.save`, `Run.save_on_interrupt`) holds the position of the batches
-    trained on and the queue is dropped (module docstring).
+class LocalLink:
+    """The actor-learner's link to its sampler in this process: the `Sampler` thread on the
+    rollout mesh, params pushed by `jax.device_put` (device to device). rl/groups.py
+    `RemoteLink` is the same link to a sampler group in another program.
 
     `engine`: the policy's engine on the rollout mesh (None: the in-JAX sampler there);
     `external`: the external model's engine in the train layout (None without one), copied to
-    the rollout mesh when the sampler starts; `pacer`: the lag budget's controller, which the
-    run checkpoints and restores."""
+    the rollout mesh when the sampler starts."""
 
     def __init__(
         self,
@@ -271,8 +268,6 @@ class ActorLearner:
         rollout_mesh,
         engine: RolloutEngine | None,
         external: JaxEngine | None,
-        pacer: LagController,
-        sync_every: int,
         max_lag: int,
     ):
         self.trainer, self.collector, self.model_cfg = trainer, collector, model_cfg
@@ -281,21 +276,22 @@ class ActorLearner:
         self.frozen_sh = None  # model.lora: the base's shardings; rollout_sh the adapters'
         if trainer.state.frozen is not None:
             self.frozen_sh, self.rollout_sh = lora.split(self.rollout_sh)
-        self.every, self.max_lag, self.pacer = int(sync_every), int(max_lag), pacer
+        self.max_lag = int(max_lag)
         self.sampler: Sampler | None = None
-        self.first = 0  # the step the sampler started at (its params were pushed then)
 
-    def push(self, version: int) -> tuple[Any, float]:
+    def push(self, version: int) -> float:
         """The trainer's params (model.lora: the adapters alone) on the rollout mesh's sample
-        layout, handed to the sampler (when it runs) as `version`; and the seconds the copy
-        took."""
+        layout, handed to the sampler as `version`; the seconds the copy took."""
+        return self._push(version)[1]
+
+    def _push(self, version: int) -> tuple[Any, float]:
         t0 = time.perf_counter()
         params = jax.block_until_ready(jax.device_put(self.trainer.state.params, self.rollout_sh))
         if self.sampler is not None:
             self.sampler.publish(version, params)
         return params, time.perf_counter() - t0
 
-    def start(self, start: int) -> None:
+    def start(self, start: int, budget: int) -> None:
         """The sampler thread from batch `start` with the params of version `start`."""
         rcfg = self.collector.rollout_cfg
         external = None
@@ -309,8 +305,7 @@ class ActorLearner:
         engine = self.engine
         if engine is None:  # the in-JAX sampler on the rollout mesh
             engine = rollout_lib.policy_engine(self.model_cfg, rcfg)
-        params, _ = self.push(start)
-        self.first = start
+        params, _ = self._push(start)
         self.sampler = Sampler(
             self.collector,
             self.trainer.batcher.fork(),
@@ -320,13 +315,47 @@ class ActorLearner:
             params=params,
             version=start,  # the version of those params
             start=start,  # the first batch to draw
-            budget=self.pacer.budget,
+            budget=budget,
             capacity=self.max_lag + 1,
         )
+
+    def next_batch(self) -> Batch:
+        return self.sampler.next_batch()
+
+    def set_budget(self, budget: int) -> None:
+        self.sampler.set_budget(budget)
+
+    def depth(self) -> int:
+        return self.sampler.depth()
 
     def stop(self) -> None:
         if self.sampler is not None:
             self.sampler.stop()
+
+
+class ActorLearner:
+    """train.mode "async": the steps of `Run._run`, each fed by a sampler through `link`
+    (`LocalLink`: a thread of this process; groups.RemoteLink: a sampler group in another
+    program).
+
+    Two data positions: the sampler's own batcher (`PromptBatcher.fork`, or the sampler
+    group's) reads ahead, and the trainer's batcher is moved to each batch's `data_after` as
+    the trainer takes it, so a checkpoint (`Run.save`, `Run.save_on_interrupt`) holds the
+    position of the batches trained on and the queue is dropped (module docstring).
+    `pacer`: the lag budget's controller, which the run checkpoints and restores."""
+
+    def __init__(self, trainer: Trainer, link, pacer: LagController, sync_every: int):
+        self.trainer, self.link, self.pacer = trainer, link, pacer
+        self.every = int(sync_every)
+        self.first = 0  # the step the sampler started at (its params were pushed then)
+
+    def start(self, start: int) -> None:
+        """The sampler from batch `start` with the params of version `start`."""
+        self.first = start
+        self.link.start(start, self.pacer.budget)
+
+    def stop(self) -> None:
+        self.link.stop()
 
     def step(self, step: int) -> dict:
         """Push the params when a push is due (as version `step`, every sync_every steps),
@@ -334,19 +363,19 @@ class ActorLearner:
         the next step, when the row of the last one is written: a Ctrl-C during the push finds
         that step whole, and the checkpoint it writes skips no row."""
         due = step > self.first and step % self.every == 0
-        push_s = self.push(step)[1] if due else 0.0
+        push_s = self.link.push(step) if due else 0.0
         trainer, t0 = self.trainer, time.perf_counter()
         with preemption.interruptible():  # waiting touches nothing of the train state
-            batch = self.sampler.next_batch()
+            batch = self.link.next_batch()
         if batch.index != step:
             raise RuntimeError(f"the sampler sent batch {batch.index} for step {step}")
-        depth = self.sampler.depth()
+        depth = self.link.depth()
         trainer.begin_step(data_after=batch.data_after)  # Ctrl-C rewinds to the start
         row = trainer.learn(step, batch.rollout, batch.metrics, batch.version, None, t0)
         budget = self.pacer.update(float(row["ess"]))  # at once: a Ctrl-C saves step + 1 with it
         versions = np.asarray(batch.rollout.policy_version)
         lags = step - versions[versions >= 0]  # the external model's rows (-1) have no lag
-        self.sampler.set_budget(budget)
+        self.link.set_budget(budget)
         row.update(
             lag_mean=float(lags.mean()) if lags.size else 0.0,
             lag_max=int(lags.max()) if lags.size else 0,

@@ -5,15 +5,19 @@ Terms (`Terms`), each measured alone (tools/async_cost.py takes them from an asy
 rollout.max_lag=0, where the two sides never overlap):
     sample_s   the sampler's seconds per batch on the rollout mesh
     train_s    the trainer's seconds per step on the train mesh (all its updates)
-    push_s     one params push (device_put to the rollout mesh, waited for)
+    push_s     one params push (device_put to the rollout mesh, waited for; in the two-program
+               run, rl/groups.py, the trainer's params copy offered for the pull)
+    pull_s     the two-program run only: the sampler group's pull of a pushed version (its
+               receiver thread pulls while the sampler draws; the version is usable after it)
 and the schedule's knobs: train.sync_every (k) and rollout.max_lag (L).
 
 `simulate` plays the schedule the actor-learner runs (ess_jax/rl/actor_learner.py) with these
 fixed times: batch j starts when the sampler is free and a version >= j - L has been pushed
 (versions are pushed after every k-th step, at the end of that step, whose time includes the
-push); step j starts when step j - 1 is done and batch j is ready. Its steady state gives the
-seconds per step; for L >= k it is max(sample_s, train_s + push_s / k), for L = 0 (k = 1) the
-sum sample_s + train_s + push_s: the sides take turns. The sync loop's step on all the devices
+push, and reach the sampler pull_s later); step j starts when step j - 1 is done and batch j
+is ready. Its steady state gives the seconds per step; for L >= k (pull_s 0) it is
+max(sample_s, train_s + push_s / k), for L = 0 (k = 1) the sum sample_s + train_s + push_s +
+pull_s: the sides take turns. The sync loop's step on all the devices
 is sample_s(N) + train_s(N), so the predicted speed-up of a split is
 
     (sync sample_s + sync train_s) / simulate(Terms measured on the split).step_s
@@ -36,6 +40,7 @@ class Terms:
     push_s: float
     sync_every: int = 1
     max_lag: int = 1
+    pull_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +71,7 @@ def simulate(t: Terms, steps: int = 400) -> Prediction:
         push = (j + 1) % k == 0
         done.append(begin + t.train_s + (t.push_s if push else 0.0))
         if push:
-            pushed[j + 1] = done[-1]
+            pushed[j + 1] = done[-1] + t.pull_s
     half = steps // 2
     step_s = (done[-1] - done[half - 1]) / (steps - half)
     depth = [

@@ -17,8 +17,8 @@ from ess_jax.parallel import sharding as sharding_lib
 def rollout_device_count(config, num_devices: int) -> int:
     """Devices of the rollout mesh (0 for the sync loop); ConfigError if the split cannot be."""
     t = config.train
-    if t.get("mode", "sync") != "async":
-        return 0
+    if t.get("mode", "sync") != "async" or t.get("async_role", "both") != "both":
+        return 0  # a two-group run: each program's devices are one side's (rl/groups.py)
     if num_devices < 2:
         fail(
             "train.mode",
@@ -40,12 +40,19 @@ def check(config) -> None:
     """What the async mode needs of the processes and devices (experiment.validate)."""
     if config.train.get("mode", "sync") != "async":
         return
+    if jax.process_count() > 1 and config.train.get("async_role", "both") != "both":
+        fail(
+            "train.async_role",
+            f"a group of {jax.process_count()} processes: each group of a two-program run is "
+            "one process for now (docs/running.md)",
+        )
     if jax.process_count() > 1:
         fail(
             "train.mode",
             f"'async' runs on one process, this run has {jax.process_count()}: the sampler's "
             "and the trainer's programs would be launched in different orders on different "
-            "hosts (JAX multi-controller); use 'sync' (docs/running.md)",
+            "hosts (JAX multi-controller); use 'sync', or the two-program run of "
+            "train.async_role (docs/running.md)",
         )
     rollout_device_count(config, jax.device_count())
 

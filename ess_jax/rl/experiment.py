@@ -319,3 +319,10 @@ def stop_ids(config, tokenizer) -> tuple[int, ...]:
         if t in tokenizer.get_vocab()
     ]
     return tuple(sorted({eos, *extra} - {None}))
+
+
+def rollout_config(config, ids) -> Any:
+    """config.rollout with the stop token ids (`stop_ids`) the sampler ends a response at."""
+    r = config.rollout.copy_and_resolve_references()
+    r.stop_ids = tuple(int(i) for i in ids)
+    return r

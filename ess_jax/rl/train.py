@@ -29,7 +29,15 @@ from ess_jax.io.checkpoint import Checkpointer
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import actor_learner, device_split, experiment, lora_policy, preemption, steps
+from ess_jax.rl import (
+    actor_learner,
+    device_split,
+    experiment,
+    groups,
+    lora_policy,
+    preemption,
+    steps,
+)
 from ess_jax.rl import heldout as eval_lib
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl import sft as sft_lib
@@ -86,7 +94,7 @@ class Run:
             config.model, self.model_cfg, params, self.mesh, config.seed
         )
         self.stop_ids = experiment.stop_ids(config, self.tokenizer)
-        self.rollout_cfg = _with_stop_ids(config.rollout, self.stop_ids)
+        self.rollout_cfg = experiment.rollout_config(config, self.stop_ids)
         self.train_examples, test = experiment.load_examples(config.task)
         # every prompt tokenized and checked against data.buckets before any work
         batcher = experiment.train_batcher(config, self.train_examples, self.tokenizer)
@@ -160,16 +168,20 @@ class Run:
             return actor_learner.SyncLoop(
                 self.trainer, self.collector(), self.engine, self.external
             )
+        if self.config.train.async_role == "trainer":  # the sampler group: another program
+            link = groups.RemoteLink(self.trainer, self.config)
+        else:
+            link = actor_learner.LocalLink(
+                self.trainer,
+                self.collector(),
+                self.model_cfg,
+                self.rollout_mesh,
+                self.engine,
+                self.external,
+                self.config.rollout.max_lag,
+            )
         return actor_learner.ActorLearner(
-            self.trainer,
-            self.collector(),
-            self.model_cfg,
-            self.rollout_mesh,
-            self.engine,
-            self.external,
-            self.pacer,
-            self.config.train.sync_every,
-            self.config.rollout.max_lag,
+            self.trainer, link, self.pacer, self.config.train.sync_every
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -338,12 +350,6 @@ class Run:
 def _secondary() -> bool:
     """A process other than the first of a multi-host run: it writes no files, shows no bars."""
     return jax.process_index() != 0
-
-
-def _with_stop_ids(rcfg, ids):
-    r = rcfg.copy_and_resolve_references()
-    r.stop_ids = tuple(int(i) for i in ids)
-    return r
 
 
 def run(config, workdir: str, allow_config_change=()) -> str:

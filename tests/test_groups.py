@@ -1,0 +1,175 @@
+"""train.mode "async" as two programs (ess_jax/rl/groups.py): a trainer group and a sampler
+group, one process each with 4 fake CPU devices, against the one-process actor-learner on 8
+devices split 4 + 4, with the sampler and the trainer killed (kill -9) on the way.
+
+With rollout.max_lag 0 the schedule is deterministic: batch k is drawn by version k, from the
+same data position with the same key, on a rollout mesh of the same shape, and trained on a
+train mesh of the same shape. So every row of the two-program run must equal the one-process
+run's (timings aside), including after a rejoin and a resume: a row lost, trained on twice,
+drawn by another version (a version off by one in the pulled params: lag 1, other log-probs and
+ESS), or drawn from another data position, changes the rows.
+
+Each process runs tests/multihost_worker.py (`python -m ess_jax.main` with a coin-flip reward
+and the planted faults), one XLA thread, its own log, printed on failure; every process is
+killed on the way out.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "multihost_worker.py"
+STEPS = 4
+OVERRIDES = {
+    "sft.steps": 0,
+    "data.prompts_per_step": 2,
+    "rollout.group_size": 4,
+    "rollout.max_new_tokens": 4,
+    "task.reward": "coin",
+    "train.steps": STEPS,
+    "train.checkpoint_every": 2,
+    "eval.every": 0,
+    "train.mode": "async",
+    "rollout.max_lag": 0,
+    "optim.lr": 3e-3,
+}
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+TIMEOUT_S = 900
+TIMING = ("tokens_per_s", "sample_s", "step_s", "draw_s", "push_s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, name, tmp_path, workdir, devices, *args, env=()):
+        self.name, self.log = name, tmp_path / f"{name}.log"
+        environ = {
+            **os.environ,
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {ONE_THREAD}",
+            "JAX_PLATFORMS": "cpu",
+            "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+            "PYTHONPATH": str(REPO),
+            "ESS_JAX_NO_DISTRIBUTED": "1",
+            **dict(env),
+        }
+        environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        cmd = [sys.executable, str(WORKER), "--config=configs/quickstart.py:tiny"]
+        cmd += [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
+        with open(self.log, "w") as f:
+            self.p = subprocess.Popen(
+                [*cmd, *args, f"--workdir={workdir}"],
+                cwd=REPO,
+                env=environ,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+
+    def tail(self, n=20) -> str:
+        lines = self.log.read_text(errors="replace").splitlines()
+        return f"--- {self.name} (exit {self.p.poll()}):\n" + "\n".join(lines[-n:])
+
+    def wait(self, others=()) -> int:
+        try:
+            return self.p.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.name} did not finish\n" + "\n".join(o.tail() for o in others))
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+    yield started
+    for q in started:
+        if q.p.poll() is None:
+            q.p.kill()
+        q.p.wait()
+
+
+def _rows(workdir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(tmp_path, procs):
+    """Catches a two-program run whose rows differ from the one-process actor-learner's (a
+    version off by one in the pulled params, another data position or key, params not pulled
+    shard for shard into the right layout), a trainer that does not wait for a killed sampler
+    group to rejoin or restarts it at the wrong batch (a row lost or trained on twice), a
+    sampler group that hangs or exits 0 when the trainer is killed mid-push, and a resume
+    that restarts the sampler group from anything but the trainer's checkpoint."""
+    port = _free_port()
+    role = lambda r: (f"--role={r}", f"--config.train.async_address=127.0.0.1:{port}")
+    ref = Proc("reference", tmp_path, tmp_path / "ref", 8)
+    procs.append(ref)
+    grp = tmp_path / "groups"
+    die_push = {"ESS_JAX_TEST_DIE_IN_PUSH": "3"}  # after step 2's row and step-2 checkpoint
+    trainer = Proc("trainer", tmp_path, grp, 4, *role("trainer"), env=die_push)
+    sampler = Proc("sampler", tmp_path, grp, 4, *role("sampler"),
+                   env={"ESS_JAX_TEST_DIE_AFTER_BATCH": "0"})  # fmt: skip
+    procs += [trainer, sampler]
+    # the sampler group dies after its first batch; a new one rejoins
+    assert sampler.wait([trainer, sampler]) == -signal.SIGKILL, sampler.tail()
+    rejoined = Proc("sampler-rejoined", tmp_path, grp, 4, *role("sampler"))
+    procs.append(rejoined)
+    # the trainer dies mid-push of version 3: the sampler group stops with one line
+    assert trainer.wait([trainer, rejoined]) == -signal.SIGKILL, trainer.tail()
+    assert rejoined.wait([rejoined]) == 2, rejoined.tail()
+    last = rejoined.log.read_text().strip().splitlines()[-1]
+    assert last.startswith("error: the trainer group closed the channel"), rejoined.tail()
+    assert [r["step"] for r in _rows(grp)] == [0, 1, 2], trainer.tail()
+    # both commands again: the trainer resumes from its checkpoint, the sampler from it
+    trainer2 = Proc("trainer-resumed", tmp_path, grp, 4, *role("trainer"))
+    sampler2 = Proc("sampler-resumed", tmp_path, grp, 4, *role("sampler"))
+    procs += [trainer2, sampler2]
+    assert trainer2.wait([trainer2, sampler2]) == 0, trainer2.tail() + sampler2.tail()
+    assert sampler2.wait([sampler2]) == 0, sampler2.tail()
+    assert "stopped: the trainer stopped" in sampler2.log.read_text(), sampler2.tail()
+    assert ref.wait([ref]) == 0, ref.tail()
+    want, got = _rows(tmp_path / "ref"), _rows(grp)
+    assert [r["step"] for r in got] == list(range(STEPS))
+    for w, g in zip(want, got):
+        assert g == w, (w["step"], {k: (w[k], g.get(k)) for k in w if w[k] != g.get(k)})
+    assert all(r["policy_lag"] == 0 for r in got)
+
+
+def test_a_sampler_with_another_config_is_refused_in_one_line(tmp_path, procs):
+    """Catches a handshake that lets a sampler group started with another config draw for the
+    trainer (its rows would be another experiment's) or fails it with a traceback."""
+    port = _free_port()
+    address = f"--config.train.async_address=127.0.0.1:{port}"
+    trainer = Proc("trainer", tmp_path, tmp_path / "t", 4, "--role=trainer", address)
+    sampler = Proc("sampler", tmp_path, tmp_path / "t", 4, "--role=sampler", address,
+                   "--config.rollout.temperature=0.7")  # fmt: skip
+    procs += [trainer, sampler]
+    assert sampler.wait([sampler]) == 2, sampler.tail()
+    out = sampler.log.read_text().strip().splitlines()
+    assert out[-1].startswith("error: the trainer group at 127.0.0.1"), sampler.tail()
+    assert "another config" in out[-1] and "Traceback" not in sampler.log.read_text()
+    time.sleep(0.5)
+    assert trainer.p.poll() is None  # the trainer keeps waiting for its own sampler group
+
+
+def test_the_cost_model_puts_the_pull_on_the_sampler_side_of_the_schedule():
+    """Catches a sync term added to the wrong side (or not at all): taking turns (max_lag 0)
+    pays sample + train + push + pull per step; with a lag of 2 the pull hides behind the
+    trainer unless it exceeds the slack, as the schedule (ess_jax/rl/async_cost.py) says."""
+    from ess_jax.rl.async_cost import Terms, simulate
+
+    turns = simulate(Terms(1.0, 2.0, 0.5, sync_every=1, max_lag=0, pull_s=0.25))
+    assert turns.step_s == pytest.approx(1.0 + 2.0 + 0.5 + 0.25)
+    hidden = simulate(Terms(1.0, 2.0, 0.5, max_lag=2, pull_s=0.25))
+    assert hidden.step_s == pytest.approx(2.5)  # trainer-bound: train + push
+    slow_pull = simulate(Terms(1.0, 2.0, 0.5, max_lag=0, pull_s=3.0))
+    assert slow_pull.step_s == pytest.approx(6.5)
