@@ -268,6 +268,11 @@ class Decoder(nnx.Module):
         """Final-norm hidden states [B, T, D] (compute dtype), the updated cache and the sparse
         layers' `moe.Routed` record (None for a dense model).
 
+        `kv_mask_BxS`: the keys that may be attended (bool), or, without a cache, packed rows'
+        segment ids (int, 0 on pads; data/packing.py): each query then sees its own segment
+        only (layers.visible; splash takes them as its segments), with `positions_BxT`
+        restarting per segment.
+
         With a cache, `attend_len` (a static int) limits attention to the first `attend_len`
         cache positions (they must hold every key the queries may see): the sampler's prefill
         attends over the prompt only. Not for decode loops: sliced after the in-place write,

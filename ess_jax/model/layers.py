@@ -141,7 +141,8 @@ def attention(
 ):
     """Causal, masked softmax attention; returns [B, T, N, G, K] in the compute dtype of q.
 
-    Query t attends to key s when s <= query_idx_T[t] and kv_mask_BxS[b, s]. `chunk` > 0 (with
+    Query t attends to key s when s <= query_idx_T[t] and kv_mask_BxS[b, s], or, for integer
+    kv_mask_BxS (packed rows' segment ids), s is in t's segment (`visible`). `chunk` > 0 (with
     T > chunk) computes `chunk` queries at a time, each recomputed in the backward pass, so no
     [B, N, G, T, S] scores exist at once.
 
@@ -227,8 +228,7 @@ def fused_attention(
     gets one more query (sliced off) and one more key, masked for every query."""
     b, t, n, g, kd = q_BxTxNxGxK.shape
     s, dt = k_BxNxSxK.shape[2], q_BxTxNxGxK.dtype
-    key_idx = jnp.arange(s)
-    mask_BxTxS = (key_idx[None, :] <= query_idx_T[:, None])[None] & kv_mask_BxS[:, None]
+    mask_BxTxS = visible(kv_mask_BxS, query_idx_T)
     q = q_BxTxNxGxK.reshape(b, t, n * g, kd)  # query head n * g + j uses kv head n, as in jax
     k = k_BxNxSxK.transpose(0, 2, 1, 3).astype(dt)  # [B, S, N, K]
     v = v_BxNxSxK.transpose(0, 2, 1, 3).astype(dt)
@@ -241,6 +241,20 @@ def fused_attention(
         q, k, v, mask=mask_BxTxS[:, None], is_causal=causal, implementation=implementation
     )
     return out[:, :t].reshape(b, t, n, g, kd)
+
+
+def visible(kv_mask_BxS: jax.Array, query_idx_T: jax.Array) -> jax.Array:
+    """[B, T, S]: whether query t (at key position query_idx_T[t]) sees key s. Causal (s <=
+    query_idx_T[t]) and, by the mask's dtype: a bool mask, the keys it marks (the left pads
+    off); integer segment ids (packed rows, data/packing.py; full-sequence forwards, where
+    the queries are the keys), the keys of the query's own segment, never segment 0 (the
+    pads): attention never crosses from one packed sequence into another."""
+    causal_TxS = jnp.arange(kv_mask_BxS.shape[1])[None, :] <= query_idx_T[:, None]
+    if kv_mask_BxS.dtype == jnp.bool_:
+        return causal_TxS[None] & kv_mask_BxS[:, None]
+    segment_BxT = jnp.take(kv_mask_BxS, query_idx_T, axis=1)
+    same = (kv_mask_BxS[:, None, :] == segment_BxT[:, :, None]) & (kv_mask_BxS[:, None, :] != 0)
+    return causal_TxS[None] & same
 
 
 def causal_blocks(t: int, query_offset: int = 0) -> list[tuple[int, int, int]]:
@@ -256,8 +270,7 @@ def causal_blocks(t: int, query_offset: int = 0) -> list[tuple[int, int, int]]:
 def _attend(q_BxCxNxGxK, query_idx_C, k_BxNxSxK, v_BxNxSxK, kv_mask_BxS):
     """C queries against all S keys given: the einsum path of `attention`."""
     b, c, n, g, kd = q_BxCxNxGxK.shape
-    key_idx = jnp.arange(k_BxNxSxK.shape[2])
-    mask_BxCxS = (key_idx[None, :] <= query_idx_C[:, None])[None] & kv_mask_BxS[:, None]
+    mask_BxCxS = visible(kv_mask_BxS, query_idx_C)
     # Queries as [B, N, G*C, K]: both products are then plain batched GEMMs over (b, n),
     # whose backward needs no transposes of the [.., C, S] scores (with the queries as
     # [B, C, N, G, K] XLA:CPU copies 12 of them per layer; attention forward + backward

@@ -8,6 +8,8 @@ C a chunk of R, D model width, V vocab.
                  routing_BxTxLxX)
       -> logp_BxR, or (logp_BxR, entropy_BxR) with return_entropy
   token_logprobs_and_extras(..., router_loss) -> (logp_BxR, {entropy, router_loss})
+  packed_token_logprobs(cfg, params, packed, index_BxR, valid_BxR, return_entropy)
+      -> the same, computed on packed rows (data/packing.py) and read back with `unpack`
 
 On a mixture-of-experts model a recorded routing ([B, T, Ls, X] int32, the sampler's:
 sampling/decode.py) makes the sparse layers use those experts (routing replay, model/moe.py).
@@ -148,3 +150,58 @@ def token_logprobs_and_extras(
             jnp.zeros((), jnp.float32) if routed is None else moe.router_loss(cfg, routed, mask_BxT)
         )
     return logp, extras
+
+
+def packed_position_logprobs(
+    cfg: model_lib.ModelConfig,
+    params: model_lib.Params,
+    tokens_RxS: jax.Array,
+    segments_RxS: jax.Array,
+    positions_RxS: jax.Array,
+    return_entropy: bool = False,
+):
+    """log pi(tokens[c] | its segment's tokens before c) at every position c of packed rows
+    (data/packing.py: segment ids, 0 on pads; positions restarting per segment), float32
+    [R, S]; column 0 and the pads get 0 (a segment's first column holds the previous segment's
+    prediction: no packed response position reads it). The forward attends within segments
+    only (`decoder.Decoder.hidden` with segment ids). With `return_entropy`, also each
+    prediction's full-distribution entropy."""
+    module = model_lib.bind(cfg, params)
+    segments_RxS = segments_RxS.astype(jnp.int32)
+    x, _ = module.hidden(cfg, tokens_RxS, positions_RxS, segments_RxS)
+
+    def score(x_RxCxD, tgt_RxC):
+        logits = module.logits(cfg, x_RxCxD)
+        lp = logprobs_from_logits(logits, tgt_RxC)
+        return lp, (entropy_from_logits(logits) if return_entropy else jnp.zeros_like(lp))
+
+    lp, ent = over_time(score, cfg.logits_chunk, x[:, :-1], tokens_RxS[:, 1:])
+    real = segments_RxS[:, 1:] != 0
+    lp, ent = (jnp.pad(jnp.where(real, a, 0.0), ((0, 0), (1, 0))) for a in (lp, ent))
+    return (lp, ent) if return_entropy else lp
+
+
+def unpack(x_RxS: jax.Array, index_BxT: jax.Array, valid_BxT: jax.Array) -> jax.Array:
+    """Per-position values of packed rows read back into the padded batch's [B, T] grid:
+    x.flat[index] where valid, else 0 (data/packing.PackedRows.index)."""
+    return jnp.where(valid_BxT, x_RxS.reshape(-1)[index_BxT], 0.0)
+
+
+def packed_token_logprobs(
+    cfg: model_lib.ModelConfig,
+    params: model_lib.Params,
+    packed: dict,
+    index_BxT: jax.Array,
+    valid_BxT: jax.Array,
+    return_entropy: bool = False,
+):
+    """`token_logprobs` of a padded batch's response positions, computed on its packed rows
+    (`packed`: "tokens", "segments", "positions" [R, S]) and read back by `index_BxT` (where
+    `valid_BxT`, the padded rows' real response tokens; 0 elsewhere, as token_logprobs gives).
+    Same numbers as token_logprobs(..., start=P) to float32 rounding, and the same gradient."""
+    out = packed_position_logprobs(
+        cfg, params, packed["tokens"], packed["segments"], packed["positions"], return_entropy
+    )
+    if not return_entropy:
+        return unpack(out, index_BxT, valid_BxT)
+    return tuple(unpack(a, index_BxT, valid_BxT) for a in out)
