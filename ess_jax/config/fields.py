@@ -283,6 +283,12 @@ class TrainFields:
         Free("host:port, schema.check (async roles)"),
         "async roles: the trainer group's host:port, where the sampler group connects",
     )
+    # the trainer's and the scoring passes' forwards on packed rows, not one padded row per
+    # sequence (ess_jax/rl/packed.py); the same numbers to float32 rounding
+    pack_rows: bool = knob(False, FLAG, "pack the sequences end to end into fixed-length rows")
+    pack_length: int = knob(
+        0, ints(0), "train.pack_rows: the packed rows' length; 0: prompt width + max_new_tokens"
+    )
 
 
 @frozen

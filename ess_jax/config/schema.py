@@ -119,6 +119,7 @@ def check_rules(config) -> None:
     _check_learnable(get)
     _check_async(get)
     _check_roles(get)
+    _check_packing(get)
     if v := get("rollout.external_fraction", "rollout.external_checkpoint", "rollout.group_size"):
         fraction, checkpoint, group = v
         if fraction > 0 and not checkpoint:
@@ -214,6 +215,39 @@ def _check_roles(get) -> None:
         )
     if (r := get("model.lora.rank")) and r[0] > 0:
         fail("model.lora.rank", "LoRA is not built for the two-group async run (train.async_role)")
+
+
+def _check_packing(get) -> None:
+    """train.pack_rows (ess_jax/rl/packed.py) packs the trainer's forwards; two things read the
+    padded rows per position and cannot be packed exactly: pi_b's full-vocabulary re-score,
+    LoRA dropout's masks (drawn per padded row and position) and a recorded MoE routing; nor
+    does the packed forward compute the router's load-balancing loss."""
+    if not (v := get("train.pack_rows")) or not v[0]:
+        return
+    if (v := get("objective.kl_estimator")) and v[0] == "full":
+        fail(
+            "train.pack_rows",
+            "objective.kl_estimator='full' re-scores pi_b on the padded rows: use k1/k2/k3 or "
+            "train.pack_rows=False",
+        )
+    if (v := get("model.lora.dropout")) and v[0] > 0:
+        fail(
+            "train.pack_rows",
+            "model.lora.dropout draws its masks per padded row and position: set it to 0 or "
+            "train.pack_rows=False",
+        )
+    if (v := get("model.routing_replay")) and v[0] != "none":
+        fail(
+            "train.pack_rows",
+            "model.routing_replay replays routing recorded per padded row and position: set "
+            "it to 'none' or train.pack_rows=False",
+        )
+    if (v := get("model.moe_aux_loss_coef")) and v[0] > 0:
+        fail(
+            "train.pack_rows",
+            "the packed forward does not compute model.moe_aux_loss_coef's router loss: set "
+            "it to 0 or train.pack_rows=False",
+        )
 
 
 def check_full_kl(config) -> None:

@@ -8,6 +8,10 @@ record: the group advantages and DAPO's masks (rl/advantages.py), the rollout's 
 groups (rl/dynamic_sampling.py), VCPO's per-group baseline (objectives/vcpo.py); a rollout
 engine's rows must come in it (sampling/engine.py checks them).
 
+With train.pack_rows the forwards run on packed rows (data/packing.py), but the batch keeps
+this layout: every per-sequence array and every group computation reads these rows, and the
+packed rows are read back onto them.
+
 The methods work on numpy and jax arrays alike (they use the arrays' own `reshape` and
 `repeat`), so the record is usable inside a jitted function; lists, tuples and dicts of these
 go through `repeat`.

@@ -16,7 +16,7 @@ from flax import struct
 
 from ess_jax.model import lora, moe, scoring
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import optim
+from ess_jax.rl import optim, packed
 
 
 @struct.dataclass
@@ -101,9 +101,14 @@ def logp_fn_for(cfg, prompt_len: int, entropy: bool = False, router_loss: bool =
     With `router_loss`, (logp, {"router_loss": ...}): the MoE router's load-balancing loss of
     the same forward (a scalar; the update adds cfg.moe_aux_loss_coef times it to the loss).
     Rows of `mb` with dropout keys (lora.DROPOUT_KEYS: the RL update's) get LoRA dropout; rows
-    with a recorded routing (moe.ROUTING, under cfg.routing_replay "sampler") replay it."""
+    with a recorded routing (moe.ROUTING, under cfg.routing_replay "sampler") replay it. A
+    micro-batch that carries its packed rows (train.pack_rows, refused with routing replay and
+    the router loss) is scored on them (`packed.token_logprobs`), the padded rows otherwise."""
 
     def logp_fn(params, mb):
+        if packed.is_packed(mb):
+            out = packed.token_logprobs(cfg, params, mb, prompt_len, entropy)
+            return out if not entropy else (out[0], {"entropy": out[1]})
         logp, extras = scoring.token_logprobs_and_extras(
             cfg,
             params,

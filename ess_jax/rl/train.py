@@ -134,6 +134,7 @@ class Run:
             t.num_microbatches,
             config.seed,
             int(self.rollout_cfg.group_size),
+            t.pack_length if t.pack_rows else None,
         )
         full = FullKL.for_run(  # None unless objective.kl_estimator "full"
             self.objective_cfg,

@@ -62,7 +62,7 @@ from ess_jax.model.config import ModelConfig
 from ess_jax.objectives import scopes
 from ess_jax.objectives.core import merge_microbatches
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import accumulate, optim, steps
+from ess_jax.rl import accumulate, optim, packed, steps
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl.full_kl import FullKL
 
@@ -77,6 +77,7 @@ class UpdateConfig:
     num_microbatches: int = 1  # M
     seed: int = 0  # the row shuffle's and LoRA dropout's keys, with the update count
     group_size: int | None = None  # rollout.group_size: an objective's batch pass (vcpo)
+    pack_length: int | None = None  # train.pack_rows: train.pack_length (0: P + T); None: off
 
 
 class StepKey(NamedTuple):
@@ -118,7 +119,7 @@ class Learner:
         `on_update(state)` follows each update (Run keeps the newest state: a Ctrl-C between
         updates saves it)."""
         ucfg, mesh, full = self.ucfg, self.mesh, self.full_kl
-        n_upd, m = self.updates_per_batch, ucfg.num_microbatches
+        n_upd = self.updates_per_batch
         per = rollout.num_sequences // n_upd  # B'
 
         # 1 the batch, and pi_b's params for the full KL (copied before any update donates)
@@ -127,11 +128,11 @@ class Learner:
         batch = sharding_lib.shard_batch(rollout_to_batch(rollout, full, replay), mesh)
 
         # 2 pi_prox and the reference: teacher-forced, before any update
-        score = steps.score_fn(ucfg.model, rollout.prompt_len, mesh, m * n_upd)
+        score, scored = self._scorer(rollout, batch)
         if obj_lib.needs_prox(ucfg.objective):
-            batch["prox_logp"] = score(lora.join(state.frozen, state.params), batch)
+            batch["prox_logp"] = score(lora.join(state.frozen, state.params), scored)
         if ref_params is not None:  # the reference routes every token itself
-            own = {k: v for k, v in batch.items() if k != moe.ROUTING}
+            own = {k: v for k, v in scored.items() if k != moe.ROUTING}
             batch["ref_logp"] = score(lora.join(state.frozen, ref_params), own)
 
         # 3 U updates, each on its own B' rows
@@ -141,13 +142,18 @@ class Learner:
             self.compiled[key] = make_rl_step(ucfg, key, self.state_sh, self.batch_sh, shardings)
         update = self.compiled[key]
         extra = (behaviour.params,) if behaviour else ()
+        tokens, mask = rollout.tokens, rollout.attn_mask
         upd_metrics = []
         for u in range(n_upd):
             rows = jax.tree.map(lambda x, u=u: x[u * per : (u + 1) * per], batch)
+            pad = {}
+            if ucfg.pack_length is not None:  # packed as this update will split its rows
+                host = [np.asarray(x)[u * per : (u + 1) * per] for x in (tokens, mask)]
+                rows, pad = self._packed_rows(rows, *host, rollout.prompt_len, int(state.step))
             state, metrics = update(state, sharding_lib.shard_batch(rows, mesh), *extra)
             if on_update is not None:
                 on_update(state)
-            upd_metrics.append(jax.device_get(metrics))
+            upd_metrics.append({**jax.device_get(metrics), **pad})
 
         # 4 the metrics: means over the updates
         row = {k: float(np.mean([mu[k] for mu in upd_metrics])) for k in upd_metrics[0]}
@@ -156,6 +162,32 @@ class Learner:
         # sampled (with rollout.lag 0): pure train/sampler mismatch, not the updates' drift
         row.update({k: float(upd_metrics[0][k]) for k in obj_lib.MISMATCH_KEYS})
         return state, row
+
+    def _row_blocks(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in sharding_lib.BATCH)
+
+    def _scorer(self, rollout, batch):
+        """The scoring pass and what it reads: the padded batch, or with train.pack_rows the
+        batch packed in the pass's M U chunks (`packed.score_fn`)."""
+        ucfg, p = self.ucfg, rollout.prompt_len
+        chunks = ucfg.num_microbatches * self.updates_per_batch
+        if ucfg.pack_length is None:
+            return steps.score_fn(ucfg.model, p, self.mesh, chunks), batch
+        mask = np.asarray(rollout.attn_mask)
+        rows = packed.pack(rollout.tokens, mask, p, ucfg.pack_length, chunks, self._row_blocks())
+        arrays = sharding_lib.shard_batch(packed.score_arrays(rows, mask), self.mesh)
+        return packed.score_fn(ucfg.model, p, self.mesh, chunks), arrays
+
+    def _packed_rows(self, rows, tokens, mask, prompt_len: int, step: int):
+        """An update's rows with their packed rows (`packed.update_arrays`; `tokens`, `mask`:
+        its padded rows on the host), packed by the micro-batches and devices `update_step` at
+        optimizer step `step` splits them into, and the pad shares of the packed and the
+        padded rows."""
+        ucfg, m, blocks = self.ucfg, self.ucfg.num_microbatches, self._row_blocks()
+        order = packed.row_order(ucfg.seed, step, ucfg.objective, m, tokens.shape[0], blocks)
+        pk = packed.pack(tokens, mask, prompt_len, ucfg.pack_length, m, blocks, order)
+        shares = {"pad_frac_packed": pk.pad_share, "pad_frac_padded": packed.padded_share(mask)}
+        return {**rows, **packed.update_arrays(pk)}, shares
 
 
 def rollout_to_batch(
@@ -267,6 +299,7 @@ def step_loss_and_grad(
     batch_size = batch["mask"].shape[0]
     if m < 1 or batch_size % m:
         raise ValueError(f"batch size {batch_size} is not divisible by num_microbatches={m}")
+    batch, packed_rows = packed.split(batch)  # train.pack_rows: joins after the shuffle
     rows, shared = scopes.rows_and_shared(batch, config)
     objective = obj_lib.get_objective(config.name)
     acc = accumulate.Accumulator(logp_fn, objective, config, params, router_coef, m)
@@ -275,10 +308,11 @@ def step_loss_and_grad(
         added_rows, added_shared = objective.batch_pass(sq_B, logp_BxT, rows, config, group_size)
         rows, shared = {**rows, **added_rows}, {**shared, **added_shared}
     if m == 1:  # one micro-batch: the objective's own statistics are the step's
-        (loss, (metrics, logp)), grads = acc.grad_fn(params, {**rows, **shared})
+        (loss, (metrics, logp)), grads = acc.grad_fn(params, {**rows, **packed_rows, **shared})
         return loss, grads, {**metrics, **obj_lib.mismatch_metrics(logp, rows)}
     if key is not None and config.ess_scope in scopes.SHUFFLED_SCOPES:
         rows = scopes.shuffle_rows(rows, key, row_blocks)
+    rows = {**rows, **packed_rows}  # split strided as the rows: micro-batch k's packed rows
     loss, grads, metrics, logp_M = accumulate.SCOPES[config.ess_scope](acc, rows, shared, m)
     return loss, grads, {**metrics, **obj_lib.mismatch_metrics(merge_microbatches(logp_M), rows)}
 
