@@ -208,6 +208,16 @@ def train_flops(s: Sizes, batch: int, seq: int) -> float:
     return 3.0 * forward_flops(s, batch, seq, seq)
 
 
+def scalar_overrides(assignments) -> dict:
+    """{field: value} of `--set NAME=VALUE` items naming scalar Sizes fields (bench/lora.py's
+    and bench/packing.py's flag), each value in its field's type."""
+    out = {}
+    for item in assignments:
+        k, v = item.split("=")
+        out[k] = type(getattr(Sizes(), k))(v)
+    return out
+
+
 # ----------------------------------------------------------------------------- timing
 
 

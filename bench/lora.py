@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import Sizes
+from bench.common import Sizes, scalar_overrides
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora, quant
 from ess_jax.sampling import sampler
@@ -151,10 +151,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--train", action="store_true", help="the train step instead of the sampler")
     a = p.parse_args(argv)
-    kw = {}
-    for item in a.set:
-        k, v = item.split("=")
-        kw[k] = type(getattr(Sizes(), k))(v)
+    kw = scalar_overrides(a.set)
     if a.train:
         print(measure_train(Sizes(**kw), a.rank, a.repeats))
     else:

@@ -1,0 +1,134 @@
+"""Packed rows (train.pack_rows) against padded rows on the CPU: one RL update of P3O
+(`update.Learner.learn`: the pi_prox scoring pass, the host-side packing and the optimizer
+update), both layouts alternating on one rollout, so both see the same machine load.
+
+The rollout is synthetic: B = prompts x G rows, prompts of 1 .. `prompt` tokens left-padded to
+`prompt`, responses long-tailed as RL responses are (lognormal, median `gen` / 4, cut at
+`gen`; a few reach `gen`, so the padded rows are P + gen wide). Reported per layout: trained
+tokens per second (the loss mask's tokens / the update's seconds, median over repeats) and the
+pad share (the positions of the rows the forwards run on that hold no token); then their
+ratio, and the largest relative difference between the two layouts' metrics (float32
+rounding: a check, not a timing).
+
+    python -m bench.packing [--tiny] [--set dim=256] [--rows 32] [--prompt 32] [--gen 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import Sizes, one_device_mesh, scalar_overrides
+from bench.gpu import model_config
+from ess_jax import objectives as obj_lib
+from ess_jax.data.layout import RowLayout
+from ess_jax.model import decoder as model_lib
+from ess_jax.rl import packed, steps
+from ess_jax.rl import update as update_lib
+from ess_jax.rl.optim import make_optimizer
+from ess_jax.rl.rollout import Rollout
+
+GROUP = 4
+OPTIM = {"lr": 1e-5, "max_grad_norm": 0.0, "schedule": "constant"}
+
+
+def rollout(vocab: int, rows: int, prompt: int, gen: int, seed: int = 0) -> Rollout:
+    """A synthetic rollout of `rows` sequences (module docstring: the length distribution)."""
+    rng = np.random.default_rng(seed)
+    plen = rng.integers(1, prompt + 1, rows)
+    rlen = np.clip(np.round(rng.lognormal(np.log(max(gen / 4, 1.0)), 0.8, rows)), 1, gen)
+    rlen[0] = gen  # the longest, as the padded width assumes
+    pos = np.arange(prompt + gen)[None]
+    mask = (pos >= prompt - plen[:, None]) & (pos < prompt + rlen[:, None])
+    tokens = np.where(mask, rng.integers(1, vocab, mask.shape), 0).astype(np.int32)
+    loss_mask = mask[:, prompt:].astype(np.float32)
+    adv = np.repeat(rng.normal(size=(rows // GROUP, 1)), GROUP, 0) * loss_mask
+    return Rollout(
+        tokens=tokens,
+        attn_mask=mask,
+        loss_mask=loss_mask,
+        behaviour_logp=(-rng.uniform(4.0, 8.0, loss_mask.shape) * loss_mask).astype(np.float32),
+        advantages=adv.astype(np.float32),
+        rewards=np.zeros(rows, np.float32),
+        policy_version=np.zeros(rows, np.int32),
+        layout=RowLayout(rows // GROUP, GROUP),
+        prompt_len=prompt,
+    )
+
+
+def measure(s: Sizes, rows: int, prompt: int, gen: int, repeats: int) -> dict:
+    """Tokens/s and pad share of the padded and the packed update (module docstring)."""
+    cfg = dataclasses.replace(model_config(s), dtype="float32")  # the CPU's fast dtype
+    mesh = one_device_mesh()
+    params = model_lib.init_params(cfg, 0, model_lib.param_shardings(cfg, mesh))
+    batch = rollout(s.vocab, rows, prompt, gen)
+    tx = make_optimizer(OPTIM)
+    sides = {}
+    for name, pack_length in (("padded", None), ("packed", 0)):
+        state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
+        objective = obj_lib.paper_config("p3o")
+        ucfg = update_lib.UpdateConfig(cfg, objective, tx, 1, 0, GROUP, pack_length)
+        sides[name] = [update_lib.Learner(ucfg, mesh, state_sh), state]
+
+    def once(name):
+        learner, state = sides[name]
+        t0 = time.perf_counter()
+        state, row = learner.learn(state, batch, params)
+        jax.block_until_ready(state.params)
+        sides[name][1] = state
+        return time.perf_counter() - t0, row
+
+    first = {name: once(name)[1] for name in sides}  # compiles; the rows of the same params
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(repeats):
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+            seconds[name].append(once(name)[0])
+    tokens = float(batch.loss_mask.sum())
+    mask = np.asarray(batch.attn_mask)
+    pk = packed.pack(batch.tokens, mask, prompt, 0, 1, 1)
+    out = {
+        "rows": rows,
+        "trained_tokens": tokens,
+        "pad_share": {"padded": packed.padded_share(mask), "packed": pk.pad_share},
+        "positions": {"padded": int(mask.size), "packed": int(pk.segments.size)},
+        "seconds": {name: statistics.median(v) for name, v in seconds.items()},
+    }
+    out["tokens_per_s"] = {name: tokens / t for name, t in out["seconds"].items()}
+    out["packed_vs_padded"] = out["tokens_per_s"]["packed"] / out["tokens_per_s"]["padded"]
+    # each metric's difference over max(1, |its padded value|), the largest and its key
+    diffs = {k: abs(first["packed"][k] - v) / max(1.0, abs(v)) for k, v in first["padded"].items()}
+    worst = max(diffs, key=diffs.get)
+    out["max_metric_diff"] = {"metric": worst, "relative": diffs[worst]}
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--set", action="append", default=[], help="a Sizes field, e.g. dim=256")
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--gen", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="a width-32 model and a few tokens")
+    p.add_argument("--json", metavar="FILE", help="also write the numbers here")
+    a = p.parse_args(argv)
+    kw = scalar_overrides(a.set)
+    if a.tiny:
+        kw = {"dim": 32, "mlp": 64, "layers": 1, "heads": 4, "kv_heads": 2, "vocab": 64, **kw}
+        a.rows, a.prompt, a.gen, a.repeats = 8, 4, 16, 1
+    out = measure(Sizes(**kw), a.rows, a.prompt, a.gen, a.repeats)
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
