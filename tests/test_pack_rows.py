@@ -355,12 +355,15 @@ def test_learner_packed_equals_padded():
     [
         ("objective.kl_estimator", "full", "objective.kl_estimator='full'"),
         ("model.lora.dropout", 0.1, "model.lora.dropout"),
+        ("model.routing_replay", "sampler", "model.routing_replay"),
+        ("model.moe_aux_loss_coef", 0.01, "model.moe_aux_loss_coef"),
     ],
 )
 def test_pack_rows_refuses_what_reads_padded_rows(field, value, names):
     """Catches train.pack_rows accepted beside a pass that reads the padded rows per position
-    (pi_b's full-vocabulary re-score, LoRA dropout's masks), which would then silently differ
-    from the padded run: one line naming both fields."""
+    (pi_b's full-vocabulary re-score, LoRA dropout's masks, a recorded MoE routing) or needs
+    what the packed forward does not compute (the router loss), which would then silently
+    differ from the padded run: one line naming both fields."""
     c = base_config()
     c.train.pack_rows = True
     section, key = field.rsplit(".", 1)
