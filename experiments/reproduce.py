@@ -4,8 +4,9 @@
     .venv/bin/python experiments/reproduce.py --experiments e1_clip_sweep --arms p3o --seeds 0
     .venv/bin/python experiments/reproduce.py --list                            # what would run
 
-Each seed's SFT warm start (configs/mini/warm_start.py, and its external model for E7) runs
-once and is shared by every arm of that seed. Every run is its own `python -m ess_jax.main`
+Each seed's SFT warm start (the arm of configs/mini/warm_start.py that the experiment's WARM
+names, `policy` when it names none, and the external model for E7) runs once and is shared by
+every arm of that seed. Every run is its own `python -m ess_jax.main`
 process with a log in <runs>/logs/; a killed sweep resumes where it was: runs whose results
 are in <results> are skipped, unfinished ones resume from their own checkpoints. When a run
 finishes, its metrics.jsonl and a command.txt (the exact commands that reproduce it from a
@@ -62,6 +63,7 @@ EXPERIMENTS = (
     "e5_calibrated",
     "stability_map_harsh",
     "k3_clamp",
+    "moe_replay",
 )
 # CPU devices per run where an experiment needs more than one: the async actor-learner's
 # sampler and trainer each get one (their runs are not bit-reproducible: the lag is measured)
@@ -99,12 +101,19 @@ def main_args(job: Job, workdir: str, warm_root: str, sets: tuple[str, ...] = ()
     args = [
         f"--config=configs/mini/{job.experiment}.py:{job.arm}",
         f"--config.seed={job.seed}",
-        f"--config.model.source={warm_dir(warm_root, 'policy', job.seed)}/hf",
+        f"--config.model.source={warm_dir(warm_root, warm_kind(job), job.seed)}/hf",
     ]
     if needs_external(job):
         ext = warm_dir(warm_root, "external", job.seed)
         args.append(f"--config.rollout.external_checkpoint={ext}/hf")
     return [*args, *extra, f"--workdir={workdir}"]
+
+
+def warm_kind(job: Job) -> str:
+    """The warm start (configs/mini/warm_start.py's arm) a job's run starts from: the
+    experiment's WARM, "policy" when it names none."""
+    module = importlib.import_module(f"configs.mini.{job.experiment}")
+    return getattr(module, "WARM", "policy")
 
 
 def needs_external(job: Job) -> bool:
@@ -122,7 +131,7 @@ def warm_dir(warm_root: str, kind: str, seed: int) -> str:
 
 
 def warm_jobs(job: Job) -> list[Job]:
-    kinds = ["policy"] + (["external"] if needs_external(job) else [])
+    kinds = [warm_kind(job)] + (["external"] if needs_external(job) else [])
     return [Job("warm", kind, job.seed) for kind in kinds]
 
 

@@ -46,6 +46,31 @@ def calibrated(c):
     return c
 
 
+# The MoE testbed's policy (configs/mini/moe_replay.py): the embedded decoder's attention and
+# width with each MLP a Qwen3-MoE block, 4 SwiGLU experts of width 48, top 2, the top-2 weights
+# renormalised (2 of 4 experts active per token; all experts together as wide as the dense
+# MLP's 192, since the CPU computes every expert on every token: model/moe.py). Its SFT warm
+# start adds the router's load-balancing loss at 0.01 so that no expert dies before RL; the RL
+# arms add none (the map's objectives, as is). Sized so that a run fits the CPU budget: the
+# testbed's warm start and RL are shortened to MOE_SFT_STEPS and MOE_STEPS.
+MOE_MODEL = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "norm_topk_prob": True,
+}
+MOE_SFT_STEPS = 1000
+MOE_STEPS = 60
+MOE_WARM_AUX_LOSS = 0.01
+
+
+def moe_model(c):
+    """c with the embedded model made the MoE testbed's (MOE_MODEL)."""
+    for key, value in MOE_MODEL.items():
+        c.model[key] = value
+    return c
+
+
 # Objective arms: config overrides, named as in configs/paper/.
 OBJECTIVES = {
     "grpo_eps0.2": {"name": "grpo", "clip_eps_low": 0.2, "clip_eps_high": 0.2},

@@ -6,12 +6,15 @@
 `:policy` is the noisy-teacher SFT every RL arm starts from (model.source=<workdir>/hf).
 `:external` is the E7 behaviour model: the same tokenizer and architecture, trained from another
 init (init_seed = seed + 1000) on clean demonstrations, so its distribution differs from the
-policy's. Both run no RL (train.steps=0) and export their params as a Hugging Face checkpoint.
+policy's. `:moe` is the MoE testbed's warm start (configs/mini/moe_replay.py): `:policy`'s
+noisy-teacher SFT on the embedded model made a mixture of experts (common.MOE_MODEL), with the
+router's load-balancing loss, for common.MOE_SFT_STEPS steps. All run no RL (train.steps=0)
+and export their params as a Hugging Face checkpoint (a Qwen3MoeForCausalLM one for `:moe`).
 """
 
 from configs.mini import common
 
-ARMS = ("policy", "external")
+ARMS = ("policy", "external", "moe")
 
 
 def get_config(arg: str | None = "policy"):
@@ -20,8 +23,12 @@ def get_config(arg: str | None = "policy"):
     c.model.source = "embedded"
     c.sft.steps = 1500
     c.sft.batch_size = 64
-    c.sft.demo_noise = 0.6 if arm == "policy" else 0.0
-    c.model.init_seed = c.get_ref("seed") + (0 if arm == "policy" else 1000)
+    c.sft.demo_noise = 0.0 if arm == "external" else 0.6
+    c.model.init_seed = c.get_ref("seed") + (1000 if arm == "external" else 0)
+    if arm == "moe":
+        common.moe_model(c)
+        c.model.moe_aux_loss_coef = common.MOE_WARM_AUX_LOSS
+        c.sft.steps = common.MOE_SFT_STEPS
     c.train.steps = 0
     c.train.export_hf = True
     return c

@@ -101,6 +101,10 @@ def check_rules(config) -> None:
         source, heads, kv_heads = v
         if source == "embedded" and heads % kv_heads:
             fail("model.num_kv_heads", f"{kv_heads} does not divide num_heads={heads}")
+    if v := get("model.source", "model.num_experts", "model.num_experts_per_tok"):
+        source, experts, top_k = v
+        if source == "embedded" and experts and top_k > experts:
+            fail("model.num_experts_per_tok", f"{top_k} is more than num_experts={experts}")
     if (v := get("model.attention_impl", "model.dtype")) and v[0] == "cudnn" and v[1] != "bfloat16":
         fail("model.attention_impl", f"'cudnn' needs model.dtype 'bfloat16', got {v[1]!r}")
     if v and v[0] == "splash" and v[1] not in ("float32", "bfloat16"):

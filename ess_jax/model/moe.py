@@ -107,6 +107,14 @@ def route(
     return weights.astype(logits_BxTxE.dtype), experts
 
 
+def topk_differs(own_BxTxLsxX: jax.Array, recorded_BxTxLsxX: jax.Array) -> jax.Array:
+    """[B, T, Ls] bool: where a recorded routing's expert set at a token and sparse layer is not
+    `own`'s (the order within a top-k does not count); False where nothing was recorded."""
+    own = jnp.sort(own_BxTxLsxX, axis=-1)
+    recorded = jnp.sort(recorded_BxTxLsxX, axis=-1)
+    return (own != recorded).any(-1) & (recorded_BxTxLsxX[..., 0] != NOT_RECORDED)
+
+
 def combine_matrix(weights_BxTxX: jax.Array, experts_BxTxX: jax.Array, e: int) -> jax.Array:
     """[B, T, E]: each token's routing weight at its experts, 0 elsewhere (exact: the top-k
     experts are distinct, so each entry is one weight or a sum of zeros)."""

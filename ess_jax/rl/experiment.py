@@ -111,7 +111,7 @@ def validate(config) -> None:
 
 def num_experts(source: str) -> int:
     """The experts per sparse layer of the checkpoint `source`, as loading reads them from its
-    config.json (io.weights.config_from_hf); 0 for a dense or embedded model."""
+    config.json (io.weights.config_from_hf); 0 for a dense model or another source."""
     path = os.path.join(str(source), "config.json")
     if not os.path.isfile(path):
         return 0
@@ -125,7 +125,9 @@ def _check_experts(config) -> None:
     """A mixture-of-experts source takes no LoRA adapters; mesh.expert shards experts, so it
     needs an MoE model whose expert count it divides; routing replay and the router's
     auxiliary loss need a router. Checked before any weight is loaded."""
-    experts = num_experts(config.model.source)
+    source = config.model.source
+    experts = int(config.model.get("num_experts", 0)) if source == "embedded" else 0
+    experts = experts or num_experts(source)
     if experts and int(config.model.lora.rank):
         fail("model.lora.rank", f"LoRA adapters on a mixture-of-experts model ({experts} "
              "experts per sparse layer) are not supported; use rank 0")  # fmt: skip
@@ -181,7 +183,18 @@ def trainer_settings(mcfg) -> dict[str, Any]:
 
 
 def embedded_model_config(mcfg, tokenizer) -> model_lib.ModelConfig:
-    """The embedded model's ModelConfig: the config's `model.*` sizes, the tokenizer's ids."""
+    """The embedded model's ModelConfig: the config's `model.*` sizes, the tokenizer's ids.
+    With `model.num_experts` > 0 every layer is a Qwen3-MoE block (router, top
+    `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size`)."""
+    experts = int(mcfg.get("num_experts", 0))
+    moe = {}
+    if experts:
+        moe = {
+            "num_experts": experts,
+            "num_experts_per_tok": int(mcfg.num_experts_per_tok),
+            "moe_intermediate_size": int(mcfg.moe_intermediate_size),
+            "norm_topk_prob": bool(mcfg.norm_topk_prob),
+        }
     return model_lib.ModelConfig(
         vocab_size=len(tokenizer),
         hidden_size=mcfg.hidden_size,
@@ -195,6 +208,7 @@ def embedded_model_config(mcfg, tokenizer) -> model_lib.ModelConfig:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **moe,
         **trainer_settings(mcfg),
     )
 

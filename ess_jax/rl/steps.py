@@ -142,3 +142,24 @@ def score_fn(cfg, prompt_len, mesh, num_chunks: int):
         return logp.swapaxes(0, 1).reshape(-1, logp.shape[-1])
 
     return jax.jit(sharding_lib.under_mesh(score, mesh))
+
+
+@functools.lru_cache(maxsize=16)
+def routing_flip_fn(cfg, prompt_len: int, mesh, num_chunks: int):
+    """(params, batch) -> [B, T, Ls] bool: where the batch's recorded routing (moe.ROUTING, the
+    sampler's) of a response token in a sparse layer is not the top-k these params route it to
+    themselves (moe.topk_differs), in `score_fn`'s strided row chunks."""
+
+    def own(params, mb):
+        _, _, routed = scoring.scored_hidden_routed(cfg, params, mb["tokens"], mb["attn_mask"], 1)
+        return moe.topk_differs(routed.experts, mb[moe.ROUTING])[:, prompt_len:]
+
+    def split(x):
+        return x.reshape(x.shape[0] // num_chunks, num_chunks, *x.shape[1:]).swapaxes(0, 1)
+
+    def flips(params, batch):
+        inputs = {k: split(batch[k]) for k in ("tokens", "attn_mask", moe.ROUTING)}
+        out = jax.lax.map(lambda mb: own(params, mb), inputs)
+        return out.swapaxes(0, 1).reshape(-1, *out.shape[2:])
+
+    return jax.jit(sharding_lib.under_mesh(flips, mesh))

@@ -131,6 +131,7 @@ class Learner:
         score, scored = self._scorer(rollout, batch)
         if obj_lib.needs_prox(ucfg.objective):
             batch["prox_logp"] = score(lora.join(state.frozen, state.params), scored)
+        flip = self._routing_flip(state, rollout, batch)  # before any update
         if ref_params is not None:  # the reference routes every token itself
             own = {k: v for k, v in scored.items() if k != moe.ROUTING}
             batch["ref_logp"] = score(lora.join(state.frozen, ref_params), own)
@@ -161,10 +162,26 @@ class Learner:
         # the mismatch metrics of the batch's first update, where pi_theta is the policy that
         # sampled (with rollout.lag 0): pure train/sampler mismatch, not the updates' drift
         row.update({k: float(upd_metrics[0][k]) for k in obj_lib.MISMATCH_KEYS})
+        if flip is not None:
+            row["routing_flip"] = flip
         return state, row
 
     def _row_blocks(self) -> int:
         return math.prod(self.mesh.shape[a] for a in sharding_lib.BATCH)
+
+    def _routing_flip(self, state, rollout, batch) -> float | None:
+        """`routing_flip` of an MoE rollout (None without a recorded routing): the share of the
+        sampler's top-k that the trainer's own router, with `state`'s params, does not pick
+        (`steps.routing_flip_fn` on the padded batch, `routing_flip_share`)."""
+        if rollout.routing is None:
+            return None
+        chunks = self.ucfg.num_microbatches * self.updates_per_batch
+        fn = steps.routing_flip_fn(self.ucfg.model, rollout.prompt_len, self.mesh, chunks)
+        routed = batch
+        if moe.ROUTING not in batch:
+            routing = sharding_lib.shard_batch({moe.ROUTING: rollout.routing}, self.mesh)
+            routed = {**batch, **routing}
+        return routing_flip_share(fn(lora.join(state.frozen, state.params), routed), rollout)
 
     def _scorer(self, rollout, batch):
         """The scoring pass and what it reads: the padded batch, or with train.pack_rows the
@@ -188,6 +205,16 @@ class Learner:
         pk = packed.pack(tokens, mask, prompt_len, ucfg.pack_length, m, blocks, order)
         shares = {"pad_frac_packed": pk.pad_share, "pad_frac_padded": packed.padded_share(mask)}
         return {**rows, **packed.update_arrays(pk)}, shares
+
+
+def routing_flip_share(differs_BxTxLs, r: rollout_lib.Rollout) -> float:
+    """The share of (response token, sparse layer) pairs, over the trained tokens the sampler
+    routed (each row's last token it never feeds back, and external rows, have no record),
+    whose recorded top-k is not the trainer's own (metric `routing_flip`)."""
+    differs = np.asarray(jax.device_get(differs_BxTxLs))
+    recorded = np.asarray(r.routing)[:, r.prompt_len :, :, 0] != moe.NOT_RECORDED
+    counted = recorded & (np.asarray(r.loss_mask) > 0)[..., None]
+    return float(differs[counted].mean()) if counted.any() else 0.0
 
 
 def rollout_to_batch(
