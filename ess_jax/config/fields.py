@@ -131,7 +131,7 @@ class ModelFields:
     tie_embeddings: bool = knob(True, FLAG, "embedded model: the LM head is the embedding")
     rope_theta: float = knob(10000.0, POSITIVE, "embedded model: RoPE's base frequency")
     init_seed: int = knob(0, ints(0), "embedded model: the seed of its initial params")
-    # the embedded model as a Qwen3-MoE-style mixture of experts: every layer sparse when > 0
+    # the embedded model as a Qwen3-MoE (q/k norms, every layer sparse) when num_experts > 0
     num_experts: int = knob(0, ints(0), "embedded model: experts per layer; 0: dense MLPs")
     num_experts_per_tok: int = knob(2, ints(1), "embedded model: top-k experts per token")
     moe_intermediate_size: int = knob(64, ints(1), "embedded model: an expert's MLP width")

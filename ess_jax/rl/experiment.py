@@ -184,12 +184,15 @@ def trainer_settings(mcfg) -> dict[str, Any]:
 
 def embedded_model_config(mcfg, tokenizer) -> model_lib.ModelConfig:
     """The embedded model's ModelConfig: the config's `model.*` sizes, the tokenizer's ids.
-    With `model.num_experts` > 0 every layer is a Qwen3-MoE block (router, top
-    `num_experts_per_tok` of `num_experts` SwiGLU experts of width `moe_intermediate_size`)."""
+    With `model.num_experts` > 0 it is a Qwen3-MoE model (family qwen3_moe, so its export is a
+    Qwen3MoeForCausalLM: q/k RMSNorm, every layer a router with the top `num_experts_per_tok`
+    of `num_experts` SwiGLU experts of width `moe_intermediate_size`)."""
     experts = int(mcfg.get("num_experts", 0))
     moe = {}
     if experts:
         moe = {
+            "family": "qwen3_moe",
+            "qk_norm": True,
             "num_experts": experts,
             "num_experts_per_tok": int(mcfg.num_experts_per_tok),
             "moe_intermediate_size": int(mcfg.moe_intermediate_size),
