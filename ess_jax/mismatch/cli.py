@@ -138,7 +138,7 @@ def command_line(args: argparse.Namespace, settings: list[str]) -> str:
 def result_of(setting: Setting, arrays: dict, seconds: float) -> dict:
     mask = arrays["mask"].astype(bool)
     gap = np.abs(arrays["replay_blogp"] - arrays["blogp"])[mask]
-    return {
+    out = {
         "setting": setting.to_dict(),
         "stats": stats.summarize(
             arrays["logp"], arrays["blogp"], mask, arrays["kl_fwd"], arrays["kl_rev"]
@@ -146,6 +146,27 @@ def result_of(setting: Setting, arrays: dict, seconds: float) -> dict:
         "replay_err": float(gap.max()) if gap.size else 0.0,
         "mean_length": float(mask.sum(1).mean()),
         "seconds": seconds,
+    }
+    if "flip" in arrays:
+        out["moe"] = moe_result(arrays, mask)
+    return out
+
+
+def moe_result(arrays: dict, mask: np.ndarray) -> dict:
+    """An MoE model's routing rows: per sparse layer the share of the response tokens the
+    sampler routed whose recorded top-k is not the trainer's own (`flip_by_layer`), over all
+    layers (`flip`), and the statistics with the trainer replaying the recorded routing."""
+    counted = mask & np.asarray(arrays["routed"], bool)
+    flip = np.asarray(arrays["flip"], bool)[counted]  # [N, Ls]
+    by_layer = flip.mean(0) if len(flip) else np.zeros(flip.shape[-1])
+    replay = stats.summarize(
+        arrays["logp_r"], arrays["blogp"], mask, arrays["kl_fwd_r"], arrays["kl_rev_r"]
+    )
+    return {
+        "flip_by_layer": [float(x) for x in by_layer],
+        "flip": float(by_layer.mean()) if len(by_layer) else 0.0,
+        "routed_tokens": int(counted.sum()),
+        "replay": replay["all"],
     }
 
 

@@ -28,7 +28,7 @@ from ess_jax.data import bucket_width, encode_completion, encode_prompts, get_ta
 from ess_jax.mismatch import replay as replay_lib
 from ess_jax.mismatch.knobs import Setting, SettingError
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import scoring
+from ess_jax.model import moe, scoring
 from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import experiment, saved_policy, steps
 from ess_jax.rl.optim import make_optimizer
@@ -132,6 +132,22 @@ def _score_fn(cfg, prompt_len: int):
     return jax.jit(score)
 
 
+@functools.lru_cache(maxsize=4)
+def _routed_score_fn(cfg, prompt_len: int):
+    """An MoE model's re-score replaying the sampler's recorded routing, and where that routing
+    is not the trainer's own: (logp, full log-softmax, differs [B, T, Ls], recorded [B, T])."""
+
+    def score(params, seq, mask, routing):
+        logp = scoring.token_logprobs(cfg, params, seq, mask, start=prompt_len,
+                                      routing_BxTxLxX=routing)  # fmt: skip
+        full = replay_lib.trainer_log_softmax(cfg, params, seq, mask, prompt_len, routing)
+        _, _, own = scoring.scored_hidden_routed(cfg, params, seq, mask.astype(bool), 1)
+        differs = moe.topk_differs(own.experts, routing)[:, prompt_len:]
+        return logp, full, differs, routing[:, prompt_len:, 0, 0] != moe.NOT_RECORDED
+
+    return jax.jit(score)
+
+
 def sampler_model(cfg, params, precision: str):
     """(cfg, params) as `sampler.sample` builds them for `precision`: the compute dtype and the
     prepared copy (`precision.prepare_params`) its programs read."""
@@ -154,7 +170,9 @@ def measure(
 ) -> dict[str, np.ndarray]:
     """Per-token arrays [B, T] over every prompt: logp, blogp (recorded), mask, kl_fwd, kl_rev,
     replay_blogp. `behaviour_model`: pi_b (default `model`); `trainer_params`: pi_theta's params
-    (default the model's)."""
+    (default the model's). For a mixture-of-experts model sampling itself (no external pi_b),
+    also the trainer under routing replay: logp_r, kl_fwd_r, kl_rev_r [B, T], `flip` [B, T, Ls]
+    (the recorded top-k is not the trainer's own) and `routed` [B, T] (a recorded token)."""
     beh = behaviour_model or model
     tparams = model.params if trainer_params is None else trainer_params
     tcfg = model.cfg.replace(dtype=setting.trainer)
@@ -189,18 +207,19 @@ def measure(
         seq = np.asarray(out.sequences)[:, pb - p :]
         seq_mask = np.asarray(out.sequence_mask)[:, pb - p :]
         logp, full = _score_fn(tcfg, p)(tparams, seq, seq_mask)
-        picked, kl_fwd, kl_rev = replay_lib.replay(
+        replay = functools.partial(
+            replay_lib.replay,
             bparams,
             bucket_tok,
             bucket_mask,
             out.tokens,
             jnp.max(out.lengths),
-            full,
             cfg=bcfg,
             n=samples,
             behaviour=behaviour,
             kv_cache=setting.kv_cache,
         )
+        picked, kl_fwd, kl_rev = replay(full)
         arrays = {
             "logp": logp,
             "blogp": out.behaviour_logp,
@@ -209,6 +228,14 @@ def measure(
             "kl_rev": kl_rev,
             "replay_blogp": picked,
         }
+        if model.cfg.num_experts and behaviour_model is None:
+            routing = np.asarray(out.routing)[:, pb - p :]
+            logp_r, full_r, flip, routed = _routed_score_fn(tcfg, p)(
+                tparams, seq, seq_mask, routing
+            )
+            _, kl_fwd_r, kl_rev_r = replay(full_r)
+            arrays.update(logp_r=logp_r, kl_fwd_r=kl_fwd_r, kl_rev_r=kl_rev_r)
+            arrays.update(flip=flip, routed=routed)
         for key, x in arrays.items():
             parts.setdefault(key, []).append(np.asarray(x))
     return {k: np.concatenate(v) for k, v in parts.items()}

@@ -38,10 +38,12 @@ from ess_jax.sampling.decode import Static, decode_bounds
 from ess_jax.sampling.rescore import Behaviour, behaviour_logprobs
 
 
-def trainer_log_softmax(cfg, params, sequences_BxL, mask_BxL, prompt_len: int):
+def trainer_log_softmax(cfg, params, sequences_BxL, mask_BxL, prompt_len: int, routing=None):
     """The trainer's log pi_theta over the vocabulary at each response position, [B, T, V]
-    float32: `scoring.token_logprobs`'s forward (`scored_hidden`, the LM head) unreduced."""
-    module, x = scored_hidden(cfg, params, sequences_BxL, mask_BxL.astype(bool), prompt_len)
+    float32: `scoring.token_logprobs`'s forward (`scored_hidden`, the LM head) unreduced;
+    `routing` ([B, L, Ls, X]; None: none): a recorded MoE routing the forward replays."""
+    mask = mask_BxL.astype(bool)
+    module, x = scored_hidden(cfg, params, sequences_BxL, mask, prompt_len, None, routing)
     return jax.nn.log_softmax(module.logits(cfg, x).astype(jnp.float32), axis=-1)
 
 

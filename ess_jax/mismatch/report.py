@@ -57,12 +57,54 @@ def markdown(results: list[dict], run: dict) -> str:
     for r in results:
         extra = (f"{r['mean_length']:.1f}", f"{r['replay_err']:.1e}")
         lines.append(_row(r["setting"]["label"], r["stats"]["all"], extra))
+    lines += moe_markdown(results)
     for part, title in (("by_length", "response length"), ("by_pb", "pi_b(y) of the token")):
         lines += ["", f"## By {title}", "", *_header(("setting", "bucket"))]
         for r in results:
             for b in r["stats"][part]:
                 lines.append(_row(r["setting"]["label"], b, (b["bucket"],)))
     return "\n".join(lines) + "\n"
+
+
+MOE_COLUMNS = (  # (stats key, header, format): each without and with routing replay
+    ("ess_token", "ESS token", "{:.5f}"),
+    ("kl_exact", "KL(pi_b, pi)", "{:.2e}"),
+    ("frac_outside", "outside [0.8, 1.2]", "{:.2%}"),
+)
+
+
+def moe_markdown(results: list[dict]) -> list[str]:
+    """The mixture-of-experts rows (results with "moe"; none for a dense model): per setting
+    the share of routed response tokens whose recorded top-k is not the trainer's own, per
+    sparse layer and over all, and the statistics without / with routing replay."""
+    moe_rows = [r for r in results if "moe" in r]
+    if not moe_rows:
+        return []
+    layers = len(moe_rows[0]["moe"]["flip_by_layer"])
+    heads = ["setting", *(f"top-k differs, layer {i}" for i in range(layers)), "all layers"]
+    for _, h, _ in MOE_COLUMNS:
+        heads += [f"{h}", f"{h}, replay"]
+    lines = [
+        "",
+        "## Mixture of experts: routing",
+        "",
+        "Top-k differs: the share of the response tokens the sampler routed (all but each "
+        "response's last) whose recorded experts in a sparse layer are not the set the "
+        "trainer's own router picks. The statistics are the trainer's re-score without "
+        "routing replay (as above) and with it (the sampler's recorded experts, "
+        "model.routing_replay sampler).",
+        "",
+        "| " + " | ".join(heads) + " |",
+        "|" + "---|" * len(heads),
+    ]
+    for r in moe_rows:
+        m, a = r["moe"], r["stats"]["all"]
+        cells = [r["setting"]["label"], *(f"{x:.2%}" for x in m["flip_by_layer"])]
+        cells.append(f"{m['flip']:.2%}")
+        for key, _, fmt in MOE_COLUMNS:
+            cells += [_cell(a.get(key), fmt), _cell(m["replay"].get(key), fmt)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def figure(results: list[dict], run: dict, path: str) -> None:
