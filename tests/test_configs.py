@@ -18,6 +18,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from configs.mini import common as mini_common
 from configs.paper import common as paper
 from ess_jax.config import presets
 from ess_jax.memory import planner as memory
@@ -117,6 +118,8 @@ def test_every_config_and_arm_validates_shards_and_fits(path, tmp_path, monkeypa
         assert configs["tiny"].to_dict() != configs[None].to_dict(), "':tiny' is ignored"
     for arg, c in configs.items():
         c = with_fakes(c, tmp_path)
+        if getattr(mod, "WARM", "policy") == "moe":  # its warm start is the embedded MoE
+            mini_common.moe_model(c)
         preset = preset_of(arg)
         n = preset.num_devices if preset else jax.device_count()
         with monkeypatch.context() as m:

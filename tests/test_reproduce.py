@@ -104,7 +104,9 @@ def test_arm_names_split_into_setting_and_objective():
 
 
 def test_every_mini_arm_builds_a_valid_config():
-    """Each arm of every configs/mini experiment loads and validates (warm start path faked)."""
+    """Each arm of every configs/mini experiment loads and validates (warm start path faked:
+    the embedded model with the shape of the experiment's warm start, an MoE for WARM moe)."""
+    from configs.mini import common, warm_start
     from ess_jax.rl import experiment
 
     for exp in reproduce.EXPERIMENTS:
@@ -112,6 +114,9 @@ def test_every_mini_arm_builds_a_valid_config():
             mod = importlib.import_module(f"configs.mini.{exp}")
             c = mod.get_config(arm)
             c.model.source = "embedded"
+            warm = warm_start.get_config(getattr(mod, "WARM", "policy")).model
+            for key in common.MOE_MODEL:
+                c.model[key] = warm[key]
             if c.rollout.external_fraction:
                 c.rollout.external_checkpoint = "embedded"
             experiment.validate(c)
