@@ -59,3 +59,21 @@ def test_dense_has_no_moe_rows():
     """A dense model's results carry no "moe" entry and the report has no MoE section."""
     row = {"setting": {"label": "x"}, "stats": {"all": {}}}
     assert report.moe_markdown([row]) == []
+
+
+def test_routing_flip_share_counts_routed_trained_tokens():
+    """The RL metric's denominator: response tokens with a record (not each row's last, not an
+    external row) and a loss mask, times the sparse layers; prompt positions never count."""
+    from types import SimpleNamespace
+
+    from ess_jax.rl.update import routing_flip_share
+
+    routing = np.zeros((2, 5, 2, 2), np.int32)  # B 2, P 2 + T 3, Ls 2, X 2
+    routing[:, 4] = moe.NOT_RECORDED  # each row's last token
+    routing[1] = moe.NOT_RECORDED  # an external row
+    loss_mask = np.array([[1, 1, 1], [1, 1, 1]], np.float32)
+    r = SimpleNamespace(routing=routing, prompt_len=2, loss_mask=loss_mask)
+    differs = np.zeros((2, 3, 2), bool)
+    differs[0, 0, 1] = True  # 1 of the 2 tokens x 2 layers counted
+    differs[1, :, :] = True  # the external row: not counted
+    assert routing_flip_share(differs, r) == 0.25
