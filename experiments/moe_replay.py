@@ -126,7 +126,29 @@ def comparison_rows(arms: dict[str, dict[int, dict]]) -> list[str]:
     return lines
 
 
+DEAD_START = 0.05  # step-0 held-out pass@1 below which a seed's warm start is flagged
+
+
+def dead_starts(arms: dict[str, dict[int, dict]]) -> list[str]:
+    """A note per seed whose warm start has step-0 held-out pass@1 below DEAD_START in every
+    arm (a flag added after the runs, no part of the declared reading): such a policy has
+    almost no reward to learn from or to lose, so its runs say little about stability."""
+    seeds = sorted({k for runs in arms.values() for k in runs})
+    out = []
+    for k in seeds:
+        first = [summary(runs[k])["pass1_0"] for runs in arms.values() if k in runs]
+        if first and max(first) < DEAD_START:
+            out.append(
+                f"- Seed {k}: its warm start's held-out pass@1 at step 0 is {max(first):.3f} "
+                f"(below {DEAD_START}): the SFT did not learn the task, so its runs have almost "
+                "no reward to learn from or to lose; its collapse and stability counts are noise "
+                "(flagged after the runs, not part of the declared reading)."
+            )
+    return out
+
+
 def markdown(arms: dict[str, dict[int, dict]]) -> str:
+    notes = dead_starts(arms)
     lines = [
         "# Routing replay under the calibrated mismatch on an MoE policy "
         "(configs/mini/moe_replay.py)",
@@ -153,6 +175,7 @@ def markdown(arms: dict[str, dict[int, dict]]) -> str:
         "",
         *comparison_rows(arms),
         "",
+        *(["## Notes", "", *notes, ""] if notes else []),
     ]
     return "\n".join(lines)
 

@@ -75,6 +75,7 @@ def test_report(tmp_path):
     d = np.mean([0.4 - 0.1, 0.5 - 0.3])
     assert f"| p3o | 2 | {d:+.3f} [" in text
     assert "| vcpo | 0 | - | - | - | no paired seeds yet |" in text
+    assert "## Notes" not in text  # no warm start below DEAD_START
     first = open(md, "rb").read(), open(png, "rb").read()
     report.write(str(tmp_path))
     assert (open(md, "rb").read(), open(png, "rb").read()) == first
