@@ -101,9 +101,11 @@ def main(argv) -> None:
         config_checks.check(config)
         presets.set_memory_fraction()  # the planner's share of GPU memory, before jax starts
         if config.train.async_role == "sampler":  # draws for the trainer group; no workdir
-            from ess_jax.rl import groups
+            from ess_jax.rl import sampler_group
 
-            reason = groups.serve(config)
+            reason, ok = sampler_group.serve(config)
+            if not ok:
+                _exit(f"{reason}; the sampler group exits")
             _exit(f"{reason}; the sampler group exits", 0, prefix="stopped: ")
         from ess_jax.rl import train  # jax initialises devices on import of train
 

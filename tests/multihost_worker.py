@@ -4,7 +4,9 @@ earns it half the time, so the updates really move the policy), and a stderr lin
 step each process restored (`restored step N`; None for a fresh run). For tests/test_groups.py,
 two faults planted by environment variables: ESS_JAX_TEST_DIE_IN_PUSH=V kills the trainer group
 (SIGKILL, itself) in the middle of pushing params version V (registered for the pull, not yet
-announced); ESS_JAX_TEST_DIE_AFTER_BATCH=K kills the sampler group once it has sent batch K.
+announced); ESS_JAX_TEST_DIE_ON_BUDGET=1 kills the sampler group when the first lag budget
+arrives (the trainer has trained on batch 0 and goes on: its next push finds the channel
+broken).
 
 The test sets the environment: XLA_FLAGS (fake CPU devices, one XLA thread), JAX_PLATFORMS,
 and for a multi-process run JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID.
@@ -44,12 +46,10 @@ def _die_in_push(send, version: int):
     return wrapped
 
 
-def _die_after_batch(next_batch, k: int):
-    def wrapped(self):
-        batch = next_batch(self)
-        if batch.index == k + 1:  # batch k has been sent
-            os.kill(os.getpid(), signal.SIGKILL)
-        return batch
+def _die_on_budget(set_budget):
+    def wrapped(self, budget):  # the trainer has trained on a batch and is going on
+        os.kill(os.getpid(), signal.SIGKILL)
+        return set_budget(self, budget)
 
     return wrapped
 
@@ -58,9 +58,7 @@ if __name__ == "__main__":
     rewards.REWARDS["coin"] = coin_reward
     if v := os.environ.get("ESS_JAX_TEST_DIE_IN_PUSH"):
         groups.RemoteLink._send = _die_in_push(groups.RemoteLink._send, int(v))
-    if k := os.environ.get("ESS_JAX_TEST_DIE_AFTER_BATCH"):
-        actor_learner.Sampler.next_batch = _die_after_batch(
-            actor_learner.Sampler.next_batch, int(k)
-        )
+    if os.environ.get("ESS_JAX_TEST_DIE_ON_BUDGET"):
+        actor_learner.Sampler.set_budget = _die_on_budget(actor_learner.Sampler.set_budget)
     train.Run.try_restore = _logged_restore(train.Run.try_restore)
     app.run(main.main, flags_parser=main._parse_flags)

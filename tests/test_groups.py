@@ -105,8 +105,9 @@ def _rows(workdir: Path) -> list[dict]:
 def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(tmp_path, procs):
     """Catches a two-program run whose rows differ from the one-process actor-learner's (a
     version off by one in the pulled params, another data position or key, params not pulled
-    shard for shard into the right layout), a trainer that does not wait for a killed sampler
-    group to rejoin or restarts it at the wrong batch (a row lost or trained on twice), a
+    shard for shard into the right layout), a trainer that crashes or does not wait when the
+    sampler group dies while it trains (its next push finds the channel broken), one that
+    restarts the new group at the wrong batch (a row lost or trained on twice), a
     sampler group that hangs or exits 0 when the trainer is killed mid-push, and a resume
     that restarts the sampler group from anything but the trainer's checkpoint."""
     port = _free_port()
@@ -117,9 +118,9 @@ def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(tmp_
     die_push = {"ESS_JAX_TEST_DIE_IN_PUSH": "3"}  # after step 2's row and step-2 checkpoint
     trainer = Proc("trainer", tmp_path, grp, 4, *role("trainer"), env=die_push)
     sampler = Proc("sampler", tmp_path, grp, 4, *role("sampler"),
-                   env={"ESS_JAX_TEST_DIE_AFTER_BATCH": "0"})  # fmt: skip
+                   env={"ESS_JAX_TEST_DIE_ON_BUDGET": "1"})  # fmt: skip
     procs += [trainer, sampler]
-    # the sampler group dies after its first batch; a new one rejoins
+    # the sampler group dies while the trainer trains on batch 0; a new one rejoins
     assert sampler.wait([trainer, sampler]) == -signal.SIGKILL, sampler.tail()
     rejoined = Proc("sampler-rejoined", tmp_path, grp, 4, *role("sampler"))
     procs.append(rejoined)

@@ -225,9 +225,11 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     if r.lag:
         phases["history push"] = {"new version": trained}
     if t.get("mode") == "async" and t.get("async_role", "both") != "both":
-        # rl/groups.py: the trainer offers a copy of its params for each pull, which may
-        # outlive the next train step; the sampler group pulls the same shards while it
-        # samples, then gathers them to its sample layout (the sample phase's weights)
-        for phase in ("train step", "sample"):
-            phases.get(phase, {})["params sync copy (train layout)"] = trained
+        # rl/groups.py: the trainer holds up to two copies of its params for the sampler's
+        # pulls (one offered, one waiting), which may outlive the next train step; the
+        # sampler group pulls one while it samples, then gathers it to its sample layout
+        # (the sample phase's weights)
+        phases["train step"]["params sync copies (train layout, 2x)"] = 2 * trained
+        if "sample" in phases:
+            phases["sample"]["params sync copy (train layout)"] = trained
     return Plan(device, sizes, resident, phases)

@@ -237,7 +237,7 @@ class SyncLoop:
     def start(self, start: int) -> None:
         pass
 
-    def stop(self) -> None:
+    def stop(self, failure: BaseException | None = None) -> None:
         pass
 
     def step(self, step: int) -> dict:
@@ -328,7 +328,7 @@ class LocalLink:
     def depth(self) -> int:
         return self.sampler.depth()
 
-    def stop(self) -> None:
+    def stop(self, failure: BaseException | None = None) -> None:
         if self.sampler is not None:
             self.sampler.stop()
 
@@ -354,8 +354,10 @@ class ActorLearner:
         self.first = start
         self.link.start(start, self.pacer.budget)
 
-    def stop(self) -> None:
-        self.link.stop()
+    def stop(self, failure: BaseException | None = None) -> None:
+        """Stops the sampler; `failure`: what ended the run, if it failed (a sampler group in
+        another program is told)."""
+        self.link.stop(failure)
 
     def step(self, step: int) -> dict:
         """Push the params when a push is due (as version `step`, every sync_every steps),

@@ -318,6 +318,7 @@ class Run:
         left = range(start, t.steps)
         bar = tqdm(left, "rl", t.steps, initial=start, dynamic_ncols=True, disable=_secondary())
         loop = self.loop()  # train.mode: sync, or async (a sampler thread)
+        failure = None  # what ended the loop, if it failed (a Ctrl-C or SIGTERM is a stop)
         try:
             loop.start(start)
             for step in bar:
@@ -339,8 +340,11 @@ class Run:
         except KeyboardInterrupt:
             self.save_on_interrupt(step)
             raise
+        except BaseException as e:
+            failure = e
+            raise
         finally:
-            loop.stop()  # the sampler thread, if any (it reads none of what a save writes)
+            loop.stop(failure)  # the sampler, if any (it reads none of what a save writes)
             self.ckpt.wait()
             writer.close()
         if _secondary():
