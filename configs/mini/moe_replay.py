@@ -64,8 +64,11 @@ def condition(c, name: str):
 
 
 def testbed():
-    """The map's testbed (common.testbed) at the MoE testbed's length."""
+    """The map's testbed (common.testbed) at the MoE testbed's length, its model the MoE
+    (common.moe_model: what model.source=embedded builds; the warm start's checkpoint, which
+    the runs load, has the same architecture in its config.json)."""
     c = common.testbed()
+    common.moe_model(c)
     c.train.steps = common.MOE_STEPS
     c.eval.every = c.train.checkpoint_every = common.MOE_STEPS // 2
     return c
