@@ -8,7 +8,7 @@ Two processes with `--devices` fake CPU devices each, as the two groups: the off
 (the trainer's side) places the model's float32 params in the train layout of `config.mesh`
 over its devices and offers them `--repeats` times under fresh ids
 (`jax.experimental.transfer`, as `RemoteLink.push` does); this one (the sampler's side) pulls
-each with `groups.Puller`, shard for shard, then moves them to the sample layout. Reported
+each with `sampler_group.Puller`, shard for shard, then moves them to the sample layout. Reported
 per sync: the pull's seconds, the gather to the sample layout's seconds, and the bytes moved
 (the params' bytes: each shard crosses once). A measurement of this machine's loopback and
 memory bandwidth, not of DCN; run it on a quiet machine.
@@ -68,7 +68,7 @@ def pull(name: str, repeats: int, address: str) -> dict:
 
     from ess_jax.model import decoder as model_lib
     from ess_jax.parallel import sharding as sharding_lib
-    from ess_jax.rl import groups
+    from ess_jax.rl import groups, sampler_group
 
     cfg, params, config = _model(name)
     exchange = model_lib.param_shardings(cfg, sharding_lib.make_mesh(dict(config.mesh)))
@@ -78,7 +78,9 @@ def pull(name: str, repeats: int, address: str) -> dict:
         exchange,
     )
     sample_sh = model_lib.param_shardings(cfg, sharding_lib.make_mesh({"data": -1}), "sample")
-    puller = groups.Puller(groups.transfer_server("127.0.0.1"), address, abstract, sample_sh)
+    puller = sampler_group.Puller(
+        groups.transfer_server("127.0.0.1"), address, abstract, sample_sh
+    )
     pull_s, gather_s = [], []
     for uuid in range(1, repeats + 1):
         t0 = time.perf_counter()

@@ -174,3 +174,19 @@ def test_the_cost_model_puts_the_pull_on_the_sampler_side_of_the_schedule():
     assert hidden.step_s == pytest.approx(2.5)  # trainer-bound: train + push
     slow_pull = simulate(Terms(1.0, 2.0, 0.5, max_lag=0, pull_s=3.0))
     assert slow_pull.step_s == pytest.approx(6.5)
+
+
+def test_the_sync_bench_pulls_the_params_bit_exact(tmp_path):
+    """Catches bench/groups_sync.py broken by a move in rl/groups.py or rl/sampler_group.py
+    (its numbers in docs/running.md could not be remade) and a pull that is not the offered
+    params bit for bit: one sync of the embedded model between two processes."""
+    out = tmp_path / "sync.json"
+    cmd = [sys.executable, "-m", "bench.groups_sync", "--model=embedded", "--repeats=1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([*cmd, f"--json={out}"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["bit_exact"] is True and result["devices_per_group"] == 4
+    assert result["param_bytes"] > 100_000  # the embedded model's float32 params
