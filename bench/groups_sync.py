@@ -71,16 +71,9 @@ def pull(name: str, repeats: int, address: str) -> dict:
     from ess_jax.rl import groups, sampler_group
 
     cfg, params, config = _model(name)
-    exchange = model_lib.param_shardings(cfg, sharding_lib.make_mesh(dict(config.mesh)))
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        model_lib.abstract_params(cfg),
-        exchange,
-    )
+    abstract = sampler_group.exchange_abstract(cfg, sharding_lib.make_mesh(dict(config.mesh)))
     sample_sh = model_lib.param_shardings(cfg, sharding_lib.make_mesh({"data": -1}), "sample")
-    puller = sampler_group.Puller(
-        groups.transfer_server("127.0.0.1"), address, abstract, sample_sh
-    )
+    puller = sampler_group.Puller(groups.transfer_server("127.0.0.1"), address, abstract, sample_sh)
     pull_s, gather_s = [], []
     for uuid in range(1, repeats + 1):
         t0 = time.perf_counter()

@@ -142,6 +142,11 @@ def address(config) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def pull_deadline() -> datetime.datetime:
+    """When an offer made (or a pull started) now lapses: PULL_WINDOW_S from now."""
+    return datetime.datetime.now() + datetime.timedelta(seconds=PULL_WINDOW_S)
+
+
 def transfer_server(host: str):
     """This process's `jax.experimental.transfer` server, on `host` (port picked by the OS)."""
     from jax.experimental import transfer
@@ -157,9 +162,9 @@ class RemoteLink:
 
     def __init__(self, trainer: Trainer, config):
         self.trainer = trainer
-        self.host, port = address(config)
-        self.listener = Listener((self.host, port), authkey=handshake_key(config))
-        self.server = transfer_server(self.host)
+        host, port = address(config)
+        self.listener = Listener((host, port), authkey=handshake_key(config))
+        self.server = transfer_server(host)
         self.conn: Connection | None = None
         self.uuid = 0
         self.newest: tuple[int, Any] = (0, None)  # (version, params copy) of the last push
@@ -234,8 +239,7 @@ class RemoteLink:
 
     def _register(self, params) -> int:
         self.uuid += 1
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=PULL_WINDOW_S)
-        self.server.await_pull(self.uuid, params, timeout=deadline)
+        self.server.await_pull(self.uuid, params, timeout=pull_deadline())
         return self.uuid
 
     def _handle(self, msg) -> None:

@@ -33,7 +33,6 @@ from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl.actor_learner import Sampler, SamplerError
 from ess_jax.rl.collect import Collector
 from ess_jax.rl.groups import (
-    PULL_WINDOW_S,
     Budget,
     Drawn,
     GroupError,
@@ -42,6 +41,7 @@ from ess_jax.rl.groups import (
     Stop,
     address,
     handshake_key,
+    pull_deadline,
     transfer_server,
 )
 
@@ -58,11 +58,18 @@ class Puller:
         self.abstract, self.sample_sh = abstract, sample_sh
 
     def pull(self, uuid: int):
-        import datetime
-
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=PULL_WINDOW_S)
-        pulled = self.conn.pull(uuid, self.abstract, timeout=deadline)
+        pulled = self.conn.pull(uuid, self.abstract, timeout=pull_deadline())
         return jax.block_until_ready(jax.device_put(pulled, self.sample_sh))
+
+
+def exchange_abstract(model_cfg, mesh):
+    """The params as the trainer offers them, over this group's `mesh` (config.mesh's shape):
+    ShapeDtypeStructs in the train layout, what `Puller` pulls into."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        model_lib.abstract_params(model_cfg),
+        model_lib.param_shardings(model_cfg, mesh),
+    )
 
 
 def connect(config) -> Connection:
@@ -104,11 +111,7 @@ def serve(config) -> tuple[str, bool]:
     batcher = experiment.train_batcher(config, train_examples, tokenizer)
     reward_fn = rewards_lib.get_reward(config.task.reward)
     collector = Collector(tokenizer, reward_fn, rollout_cfg, jax.random.key(config.seed))
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        model_lib.abstract_params(model_cfg),
-        model_lib.param_shardings(model_cfg, exchange_mesh),
-    )
+    abstract = exchange_abstract(model_cfg, exchange_mesh)
     tensor = int(config.train.async_rollout_tensor)
     rollout_mesh = sharding_lib.make_mesh({"data": -1, "tensor": tensor})
     sample_sh = model_lib.param_shardings(model_cfg, rollout_mesh, "sample")

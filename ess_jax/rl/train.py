@@ -166,9 +166,7 @@ class Run:
         """What `_run` calls each step, by train.mode: `SyncLoop`, or `ActorLearner` (a sampler
         thread on the rollout mesh)."""
         if self.config.train.mode != "async":
-            return actor_learner.SyncLoop(
-                self.trainer, self.collector(), self.engine, self.external
-            )
+            return self._sync_loop()
         if self.config.train.async_role == "trainer":  # the sampler group: another program
             link = groups.RemoteLink(self.trainer, self.config)
         else:
@@ -278,9 +276,10 @@ class Run:
 
     def rl_step(self, step: int) -> dict:
         """One synchronous step (draw, then train), whatever train.mode says: its row."""
-        return actor_learner.SyncLoop(
-            self.trainer, self.collector(), self.engine, self.external
-        ).step(step)
+        return self._sync_loop().step(step)
+
+    def _sync_loop(self) -> actor_learner.SyncLoop:
+        return actor_learner.SyncLoop(self.trainer, self.collector(), self.engine, self.external)
 
     def _eval(self, writer, step: int) -> None:
         with preemption.interruptible():
