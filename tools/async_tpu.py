@@ -37,7 +37,6 @@ left out of both.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -46,18 +45,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # config files import configs.*
     sys.path.insert(0, ROOT)
 
+import plan_memory  # noqa: E402  (tools/plan_memory.py: a config file read as ess_jax.main reads it)
+
+from ess_jax.config.schema import UserError  # noqa: E402
 from ess_jax.rl import async_cost  # noqa: E402
 
 LOOPBACK_GBS = 1.6  # docs/running.md: SmolLM2-135M's 538 MB pulled in 0.35 s (median)
-
-
-def load_config(spec: str):
-    """The config of a record's `config` field, FILE:ARG."""
-    path, _, arg = spec.partition(":")
-    module = importlib.util.spec_from_file_location("record_config", os.path.join(ROOT, path))
-    mod = importlib.util.module_from_spec(module)
-    module.loader.exec_module(mod)
-    return mod.get_config(arg or None)
 
 
 def step_seconds(row: dict, microbatches: int, remat: bool) -> float:
@@ -121,9 +114,10 @@ def main(argv=None) -> int:
     try:
         with open(args.record) as f:
             record = json.load(f)
-        config = load_config(record["config"])
+        path, _, arg = record["config"].partition(":")
+        config = plan_memory.load_config(f"{os.path.join(ROOT, path)}:{arg}")
         out = terms(record, config, args.max_lag, args.sync_every, args.link_gbs)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, UserError) as e:
         print(f"error: {args.record}: {e}", file=sys.stderr)
         return 2
     model = async_cost.Terms(
