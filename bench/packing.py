@@ -11,6 +11,12 @@ ratio, and the largest relative difference between the two layouts' metrics (flo
 rounding: a check, not a timing).
 
     python -m bench.packing [--tiny] [--set dim=256] [--rows 32] [--prompt 32] [--gen 256]
+    python -m bench.packing --plan --rows 1024 --micro 64 --devices 4 --prompt 1024 --gen 4096
+
+`--plan` builds no model and runs no update: it prints the pad shares of the packing plan alone
+(data/packing.py: each micro-batch's sequences on each device packed on their own) for a batch
+of the rows, micro-batches and device blocks given, at `--pack_length` positions per packed row
+(0: prompt + gen, train.pack_length's default).
 """
 
 from __future__ import annotations
@@ -109,6 +115,21 @@ def measure(s: Sizes, rows: int, prompt: int, gen: int, repeats: int) -> dict:
     return out
 
 
+def plan(rows: int, micro: int, devices: int, prompt: int, gen: int, pack_length: int) -> dict:
+    """The pad shares of the padded and the packed layout of one synthetic batch (`--plan`)."""
+    batch = rollout(2, rows, prompt, gen)
+    mask = np.asarray(batch.attn_mask)
+    pk = packed.pack(batch.tokens, mask, prompt, pack_length, micro, devices)
+    return {
+        "rows": rows,
+        "micro": micro,
+        "devices": devices,
+        "pack_length": packed.length_for(pack_length, prompt + gen),
+        "pad_share": {"padded": packed.padded_share(mask), "packed": pk.pad_share},
+        "positions": {"padded": int(mask.size), "packed": int(pk.segments.size)},
+    }
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--set", action="append", default=[], help="a Sizes field, e.g. dim=256")
@@ -118,7 +139,15 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="a width-32 model and a few tokens")
     p.add_argument("--json", metavar="FILE", help="also write the numbers here")
+    p.add_argument("--plan", action="store_true", help="the packing plan's pad shares only")
+    p.add_argument("--micro", type=int, default=1, help="--plan: micro-batches")
+    p.add_argument("--devices", type=int, default=1, help="--plan: device blocks")
+    p.add_argument("--pack_length", type=int, default=0, help="--plan: 0 is prompt + gen")
     a = p.parse_args(argv)
+    if a.plan:
+        out = plan(a.rows, a.micro, a.devices, a.prompt, a.gen, a.pack_length)
+        print(json.dumps(out, indent=1))
+        return
     kw = scalar_overrides(a.set)
     if a.tiny:
         kw = {"dim": 32, "mlp": 64, "layers": 1, "heads": 4, "kv_heads": 2, "vocab": 64, **kw}
