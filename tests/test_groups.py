@@ -145,6 +145,29 @@ def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(tmp_
     assert all(r["policy_lag"] == 0 for r in got)
 
 
+def test_lora_groups_pull_the_adapters_and_give_the_one_process_rows(tmp_path, procs):
+    """Catches a LoRA sampler group that samples from a base other than the trainer's (not
+    re-derived from model.source, or the adapters joined to nothing), pulls into the whole
+    model's layout instead of the adapters' (the pull fails), or a trainer that offers
+    anything but its trained adapters: 2 steps of rank-4 LoRA, rows equal to the one-process
+    actor-learner's."""
+    port = _free_port()
+    lora = ("--config.model.lora.rank=4", "--config.train.steps=2")
+    role = lambda r: (f"--role={r}", f"--config.train.async_address=127.0.0.1:{port}", *lora)
+    ref = Proc("reference", tmp_path, tmp_path / "ref", 8, *lora)
+    trainer = Proc("trainer", tmp_path, tmp_path / "groups", 4, *role("trainer"))
+    sampler = Proc("sampler", tmp_path, tmp_path / "groups", 4, *role("sampler"))
+    procs += [ref, trainer, sampler]
+    # a sampler group that fails leaves the trainer waiting for another: check it first
+    assert sampler.wait([sampler]) == 0, sampler.tail()
+    assert trainer.wait([trainer, sampler]) == 0, trainer.tail() + sampler.tail()
+    assert ref.wait([ref]) == 0, ref.tail()
+    want, got = _rows(tmp_path / "ref"), _rows(tmp_path / "groups")
+    assert [r["step"] for r in got] == [0, 1]
+    for w, g in zip(want, got):
+        assert g == w, (w["step"], {k: (w[k], g.get(k)) for k in w if w[k] != g.get(k)})
+
+
 def test_a_sampler_with_another_config_is_refused_in_one_line(tmp_path, procs):
     """Catches a handshake that lets a sampler group started with another config draw for the
     trainer (its rows would be another experiment's) or fails it with a traceback."""

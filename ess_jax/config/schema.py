@@ -203,8 +203,7 @@ def _check_async(get) -> None:
 
 def _check_roles(get) -> None:
     """train.async_role trainer / sampler (ess_jax/rl/groups.py): one group of a train.mode
-    "async" run in two programs, which meet at train.async_address (host:port). The sampler
-    group loads no adapters' base yet, so model.lora is refused with it."""
+    "async" run in two programs, which meet at train.async_address (host:port)."""
     v = get("train.async_role", "train.async_address", "train.mode")
     if not v or v[0] == "both":
         return
@@ -217,8 +216,6 @@ def _check_roles(get) -> None:
             "train.async_address",
             f"{address!r} is not host:port (the trainer group's, where the sampler connects)",
         )
-    if (r := get("model.lora.rank")) and r[0] > 0:
-        fail("model.lora.rank", "LoRA is not built for the two-group async run (train.async_role)")
 
 
 def _check_packing(get) -> None:

@@ -15,7 +15,8 @@ own pace on one cluster cannot keep that order across hosts, so the one-process 
 the scheduler's) and the two meet outside JAX's collectives on two channels:
 
 - Params, trainer -> sampler: `jax.experimental.transfer`. The trainer registers a copy of its
-  params (the train layout; the copy because the next update donates the state's buffers) with
+  trained params (model.lora: the adapters; the sampler group keeps its own frozen base) in
+  the train layout (a copy because the next update donates the state's buffers) with
   its transfer server under a fresh uuid and announces the version; the sampler pulls every
   array with the same shardings over its own devices (the exchange layout: `config.mesh`'s
   shape over the sampler's devices, which the transfer needs shard for shard), so each device

@@ -11,6 +11,10 @@ long, since the main thread stops drawing once it has sent the run's last batch.
 The group keeps no state: what it draws, from where and with which version is the trainer's
 `Start` message. It reads the policy's checkpoint for its config and tokenizer onto its own
 devices (the train layout over them, then dropped: the params it samples with are pulled).
+With model.lora the trainer trains and offers the adapters alone: the group derives the frozen
+base from the same checkpoint (`lora_policy.attach`, as the trainer does: a function of
+model.source alone), keeps it on its rollout mesh for the whole run, and pulls only the
+adapters, which the sampler joins to it (actor_learner.Sampler's `frozen`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from tqdm import tqdm
 
 from ess_jax import rewards as rewards_lib
 from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import experiment
+from ess_jax.rl import experiment, lora_policy
 from ess_jax.rl import rollout as rollout_lib
 from ess_jax.rl.actor_learner import Sampler, SamplerError
 from ess_jax.rl.collect import Collector
@@ -64,12 +69,14 @@ class Puller:
 
 def exchange_abstract(model_cfg, mesh):
     """The params as the trainer offers them, over this group's `mesh` (config.mesh's shape):
-    ShapeDtypeStructs in the train layout, what `Puller` pulls into."""
-    return jax.tree.map(
+    ShapeDtypeStructs in the train layout, what `Puller` pulls into (model.lora: the
+    adapters alone, the trainer's trained params)."""
+    tree = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         model_lib.abstract_params(model_cfg),
         model_lib.param_shardings(model_cfg, mesh),
     )
+    return lora.split(tree)[1] if model_cfg.lora_rank else tree
 
 
 def connect(config) -> Connection:
@@ -105,7 +112,10 @@ def serve(config) -> tuple[str, bool]:
     sharding_lib.maybe_initialize_distributed()
     experiment.validate(config)
     exchange_mesh = sharding_lib.make_mesh(dict(config.mesh))
-    model_cfg, _, tokenizer = experiment.load_policy(config.model, exchange_mesh)
+    model_cfg, loaded, tokenizer = experiment.load_policy(config.model, exchange_mesh)
+    # model.lora: the frozen base from the checkpoint, as the trainer derives it
+    model_cfg, frozen, _ = lora_policy.attach(config.model, model_cfg, loaded, exchange_mesh)
+    del loaded
     rollout_cfg = experiment.rollout_config(config, experiment.stop_ids(config, tokenizer))
     train_examples, _ = experiment.load_examples(config.task)
     batcher = experiment.train_batcher(config, train_examples, tokenizer)
@@ -115,6 +125,9 @@ def serve(config) -> tuple[str, bool]:
     tensor = int(config.train.async_rollout_tensor)
     rollout_mesh = sharding_lib.make_mesh({"data": -1, "tensor": tensor})
     sample_sh = model_lib.param_shardings(model_cfg, rollout_mesh, "sample")
+    if frozen is not None:  # the base on the rollout mesh once; the pulls are the adapters'
+        frozen_sh, sample_sh = lora.split(sample_sh)
+        frozen = jax.block_until_ready(jax.device_put(frozen, frozen_sh))
     engine = rollout_lib.policy_engine(model_cfg, rollout_cfg)
     external = None
     if float(config.rollout.external_fraction) > 0:
@@ -147,7 +160,7 @@ def serve(config) -> tuple[str, bool]:
         batcher,
         engine,
         external,
-        frozen=None,
+        frozen=frozen,
         params=params,
         version=start.version,
         start=start.batch,
