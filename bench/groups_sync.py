@@ -71,7 +71,7 @@ def pull(name: str, repeats: int, address: str) -> dict:
     from ess_jax.rl import groups, sampler_group
 
     cfg, params, config = _model(name)
-    abstract = sampler_group.exchange_abstract(cfg, sharding_lib.make_mesh(dict(config.mesh)))
+    abstract = groups.exchange_abstract(cfg, sharding_lib.make_mesh(dict(config.mesh)))
     sample_sh = model_lib.param_shardings(cfg, sharding_lib.make_mesh({"data": -1}), "sample")
     puller = sampler_group.Puller(groups.transfer_server("127.0.0.1"), address, abstract, sample_sh)
     pull_s, gather_s = [], []

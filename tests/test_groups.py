@@ -1,6 +1,7 @@
 """train.mode "async" as two programs (ess_jax/rl/groups.py): a trainer group and a sampler
-group, one process each with 4 fake CPU devices, against the one-process actor-learner on 8
-devices split 4 + 4, with the sampler and the trainer killed (kill -9) on the way.
+group, one process each with 4 fake CPU devices (or 4 and 2), against the one-process
+actor-learner on 8 devices split 4 + 4 (or 6 split 2 + 4), with the sampler and the trainer
+killed (kill -9) on the way.
 
 With rollout.max_lag 0 the schedule is deterministic: batch k is drawn by version k, from the
 same data position with the same key, on a rollout mesh of the same shape, and trained on a
@@ -145,18 +146,20 @@ def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(tmp_
     assert all(r["policy_lag"] == 0 for r in got)
 
 
-def test_lora_groups_pull_the_adapters_and_give_the_one_process_rows(tmp_path, procs):
+def test_lora_groups_of_unequal_sizes_give_the_one_process_rows(tmp_path, procs):
     """Catches a LoRA sampler group that samples from a base other than the trainer's (not
     re-derived from model.source, or the adapters joined to nothing), pulls into the whole
-    model's layout instead of the adapters' (the pull fails), or a trainer that offers
-    anything but its trained adapters: 2 steps of rank-4 LoRA, rows equal to the one-process
-    actor-learner's."""
+    model's layout instead of the adapters', a trainer that offers anything but its trained
+    adapters, and groups of different device counts (4 trainer, 2 sampler) whose exchange
+    layouts disagree or whose pull is not exact: 2 steps of rank-4 LoRA, rows equal to the
+    one-process actor-learner's on 6 devices split 2 (rollout) + 4 (train)."""
     port = _free_port()
     lora = ("--config.model.lora.rank=4", "--config.train.steps=2")
     role = lambda r: (f"--role={r}", f"--config.train.async_address=127.0.0.1:{port}", *lora)
-    ref = Proc("reference", tmp_path, tmp_path / "ref", 8, *lora)
+    ref = Proc("reference", tmp_path, tmp_path / "ref", 6, *lora,
+               "--config.train.async_rollout_devices=2")  # fmt: skip
     trainer = Proc("trainer", tmp_path, tmp_path / "groups", 4, *role("trainer"))
-    sampler = Proc("sampler", tmp_path, tmp_path / "groups", 4, *role("sampler"))
+    sampler = Proc("sampler", tmp_path, tmp_path / "groups", 2, *role("sampler"))
     procs += [ref, trainer, sampler]
     # a sampler group that fails leaves the trainer waiting for another: check it first
     assert sampler.wait([sampler]) == 0, sampler.tail()

@@ -18,9 +18,11 @@ the scheduler's) and the two meet outside JAX's collectives on two channels:
   trained params (model.lora: the adapters; the sampler group keeps its own frozen base) in
   the train layout (a copy because the next update donates the state's buffers) with
   its transfer server under a fresh uuid and announces the version; the sampler pulls every
-  array with the same shardings over its own devices (the exchange layout: `config.mesh`'s
-  shape over the sampler's devices, which the transfer needs shard for shard), so each device
-  receives exactly its shard and no byte goes through one host, then moves the params to its
+  array with the same shardings over its own devices (the exchange layout, `exchange_mesh`:
+  `config.mesh`'s shape when both groups have as many devices, so the trainer offers its own
+  layout; else fully sharded over the first min(trainer's, sampler's) devices of each group,
+  which the trainer's copy is resharded to), so each device receives exactly its shard and no
+  byte goes through one host, then moves the params to its
   sample layout on its own devices (`jax.device_put`, device to device) where the engine casts
   them to the sampler's precision. The trainer keeps one offer out at a time: a version pushed
   while the last one is not pulled yet waits (replacing any older waiting one) until the
@@ -73,6 +75,9 @@ import jax
 import jax.numpy as jnp
 
 from ess_jax.config.schema import UserError
+from ess_jax.model import decoder as model_lib
+from ess_jax.model import lora
+from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import preemption
 from ess_jax.rl.actor_learner import Batch
 from ess_jax.rl.trainer import Trainer
@@ -81,6 +86,7 @@ ROLE_FIELDS = ("async_role", "async_address")  # left out of the handshake's key
 # A registered copy not pulled within this time is dropped by the transfer server (it has no
 # cancel): it bounds what a sampler group that died before pulling leaves on the trainer.
 PULL_WINDOW_S = 600.0
+HELLO_TIMEOUT_S = 60.0  # how long a connected sampler group may take to say its device count
 
 
 class GroupError(UserError, RuntimeError):
@@ -99,7 +105,14 @@ class Start:
     uuid: int
     budget: int
     transfer: str  # the trainer's transfer server address
-    devices: int  # the trainer group's devices: the pull is shard for shard, so the same count
+    devices: int  # the trainer group's devices (with the sampler's: the exchange layout)
+
+
+@dataclasses.dataclass
+class Hello:
+    """Sampler -> trainer, on connect: the sampler group's device count."""
+
+    devices: int
 
 
 @dataclasses.dataclass
@@ -155,14 +168,36 @@ def transfer_server(host: str):
     return transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
 
 
+def exchange_mesh(config, devices: int, peer_devices: int):
+    """The mesh the params cross on, over this group's devices (module docstring): config.mesh
+    when both groups have `devices`, else "fsdp" over the first min of the two counts."""
+    if devices == peer_devices:
+        return sharding_lib.make_mesh(dict(config.mesh))
+    e = min(devices, peer_devices)
+    return sharding_lib.make_mesh({"fsdp": e}, jax.devices()[:e])
+
+
+def exchange_abstract(model_cfg, mesh):
+    """The params as the trainer offers them over `mesh` (`exchange_mesh`): ShapeDtypeStructs in
+    the train layout, what the sampler pulls into (model.lora: the adapters alone, the
+    trainer's trained params)."""
+    tree = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        model_lib.abstract_params(model_cfg),
+        model_lib.param_shardings(model_cfg, mesh),
+    )
+    return lora.split(tree)[1] if model_cfg.lora_rank else tree
+
+
 # ---------------------------------------------------------------------- trainer side
 class RemoteLink:
     """The trainer's link to a sampler group in another program: what `ActorLearner` drives
     (start, push, next_batch, set_budget, depth, stop), as `actor_learner.LocalLink` does for
     the sampler thread of one process. Batches that have arrived wait in `inbox` (`depth`)."""
 
-    def __init__(self, trainer: Trainer, config):
-        self.trainer = trainer
+    def __init__(self, trainer: Trainer, config, model_cfg):
+        self.trainer, self.config, self.model_cfg = trainer, config, model_cfg
+        self.exchange_sh = None  # the connected group's exchange layout; None: the train one
         host, port = address(config)
         self.listener = Listener((host, port), authkey=handshake_key(config))
         self.server = transfer_server(host)
@@ -234,14 +269,17 @@ class RemoteLink:
         announced, when a sampler group is connected."""
         if self.conn is None:
             return
-        uuid = self._register(params)
-        self.offered = (uuid, params)
-        self._send(Params(version, uuid))
+        self.offered = self._register(params)
+        self._send(Params(version, self.offered[0]))
 
-    def _register(self, params) -> int:
+    def _register(self, params) -> tuple[int, Any]:
+        """(uuid, the offered arrays): `params`, or their copy in the connected group's
+        exchange layout (kept with the offer until pulled)."""
         self.uuid += 1
+        if self.exchange_sh is not None:
+            params = jax.device_put(params, self.exchange_sh)
         self.server.await_pull(self.uuid, params, timeout=pull_deadline())
-        return self.uuid
+        return self.uuid, params
 
     def _handle(self, msg) -> None:
         if isinstance(msg, Drawn):
@@ -283,8 +321,17 @@ class RemoteLink:
             except (AuthenticationError, OSError, EOFError) as e:  # another config
                 logging.error("refused a sampler group (%s): is it the same config?", e)
                 continue
+            try:
+                hello = conn.recv() if conn.poll(HELLO_TIMEOUT_S) else None
+            except (EOFError, OSError):
+                hello = None
+            if not isinstance(hello, Hello):
+                logging.error("a sampler group connected without saying its device count")
+                conn.close()
+                continue
+            self._exchange(hello.devices)
             version, params = self.newest
-            uuid = self._register(params)
+            uuid, offered = self._register(params)
             data, where = self.trainer.batcher.state(), self.server.address()
             start = Start(
                 self.next_index, data, version, uuid, self.budget, where, jax.device_count()
@@ -294,4 +341,12 @@ class RemoteLink:
             except OSError:  # gone already
                 conn.close()
                 continue
-            self.conn, self.offered = conn, (uuid, params)
+            self.conn, self.offered = conn, (uuid, offered)
+
+    def _exchange(self, peer_devices: int) -> None:
+        """The exchange layout for a sampler group of `peer_devices` (None: the train layout)."""
+        self.exchange_sh = None
+        if peer_devices != jax.device_count():
+            mesh = exchange_mesh(self.config, jax.device_count(), peer_devices)
+            abstract = exchange_abstract(self.model_cfg, mesh)
+            self.exchange_sh = jax.tree.map(lambda x: x.sharding, abstract)

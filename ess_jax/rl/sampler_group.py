@@ -41,10 +41,13 @@ from ess_jax.rl.groups import (
     Budget,
     Drawn,
     GroupError,
+    Hello,
     Params,
     Pulled,
     Stop,
     address,
+    exchange_abstract,
+    exchange_mesh,
     handshake_key,
     pull_deadline,
     transfer_server,
@@ -55,7 +58,7 @@ CONNECT_TIMEOUT_S = 600.0  # how long the group waits for the trainer group to l
 
 class Puller:
     """The sampler group's end of the params channel: pulls a version by uuid into the
-    exchange layout (`abstract`: the trainer's train layout over this group's devices), then
+    exchange layout (`abstract`: groups.exchange_abstract over groups.exchange_mesh), then
     moves it to `sample_sh` on this group's devices."""
 
     def __init__(self, server, peer: str, abstract, sample_sh):
@@ -65,18 +68,6 @@ class Puller:
     def pull(self, uuid: int):
         pulled = self.conn.pull(uuid, self.abstract, timeout=pull_deadline())
         return jax.block_until_ready(jax.device_put(pulled, self.sample_sh))
-
-
-def exchange_abstract(model_cfg, mesh):
-    """The params as the trainer offers them, over this group's `mesh` (config.mesh's shape):
-    ShapeDtypeStructs in the train layout, what `Puller` pulls into (model.lora: the
-    adapters alone, the trainer's trained params)."""
-    tree = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        model_lib.abstract_params(model_cfg),
-        model_lib.param_shardings(model_cfg, mesh),
-    )
-    return lora.split(tree)[1] if model_cfg.lora_rank else tree
 
 
 def connect(config) -> Connection:
@@ -111,17 +102,16 @@ def serve(config) -> tuple[str, bool]:
     well). GroupError if the trainer group goes away or runs another config. Writes no files."""
     sharding_lib.maybe_initialize_distributed()
     experiment.validate(config)
-    exchange_mesh = sharding_lib.make_mesh(dict(config.mesh))
-    model_cfg, loaded, tokenizer = experiment.load_policy(config.model, exchange_mesh)
+    load_mesh = sharding_lib.make_mesh({"fsdp": -1})  # the checkpoint, sharded over every device
+    model_cfg, loaded, tokenizer = experiment.load_policy(config.model, load_mesh)
     # model.lora: the frozen base from the checkpoint, as the trainer derives it
-    model_cfg, frozen, _ = lora_policy.attach(config.model, model_cfg, loaded, exchange_mesh)
+    model_cfg, frozen, _ = lora_policy.attach(config.model, model_cfg, loaded, load_mesh)
     del loaded
     rollout_cfg = experiment.rollout_config(config, experiment.stop_ids(config, tokenizer))
     train_examples, _ = experiment.load_examples(config.task)
     batcher = experiment.train_batcher(config, train_examples, tokenizer)
     reward_fn = rewards_lib.get_reward(config.task.reward)
     collector = Collector(tokenizer, reward_fn, rollout_cfg, jax.random.key(config.seed))
-    abstract = exchange_abstract(model_cfg, exchange_mesh)
     tensor = int(config.train.async_rollout_tensor)
     rollout_mesh = sharding_lib.make_mesh({"data": -1, "tensor": tensor})
     sample_sh = model_lib.param_shardings(model_cfg, rollout_mesh, "sample")
@@ -138,13 +128,10 @@ def serve(config) -> tuple[str, bool]:
 
     conn = connect(config)
     try:
+        conn.send(Hello(jax.device_count()))
         start = conn.recv()
-        if start.devices != jax.device_count():
-            raise GroupError(
-                f"the trainer group has {start.devices} devices, this sampler group "
-                f"{jax.device_count()}: the params are pulled shard for shard, so both groups "
-                "need the same device count"
-            )
+        mesh = exchange_mesh(config, jax.device_count(), start.devices)
+        abstract = exchange_abstract(model_cfg, mesh)
         puller = Puller(transfer_server(local_host(conn)), start.transfer, abstract, sample_sh)
         t0 = time.perf_counter()
         params = puller.pull(start.uuid)

@@ -168,7 +168,7 @@ class Run:
         if self.config.train.mode != "async":
             return self._sync_loop()
         if self.config.train.async_role == "trainer":  # the sampler group: another program
-            link = groups.RemoteLink(self.trainer, self.config)
+            link = groups.RemoteLink(self.trainer, self.config, self.model_cfg)
         else:
             link = actor_learner.LocalLink(
                 self.trainer,
