@@ -11,6 +11,11 @@ and shardings are exact (`jax.eval_shape` of the optimizer, the model's logical 
 abstract mesh of any size); the per-unit coefficients (COEF) are XLA's, fitted to
 `compiled.memory_analysis()` on CPU. tests/test_plan_memory.py holds the estimates within 25% of
 XLA's for the train step and the sampler on 1 and 8 devices, on shapes not used for the fit.
+On a TPU device (a key of presets.CHIPS) the transients are the TPU compiler's
+(tpu_terms.py: the train step as the compiler realises remat, decode segments at their own
+cache bound with the weight copies it hoists, and a reshard phase with its second copy of the
+sample-layout params), within 6% of libtpu's memory_analysis on every program of the committed
+records (results/tpu/*.json, tests/test_compile_tpu.py).
 objective.kl_estimator "full" adds its re-score's logits to the train step (and, with lag 0
 and several updates per batch, the copy of the params it re-scores with).
 
@@ -31,6 +36,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from ess_jax.config.presets import GB, HBM, KNOWN_MODELS, memory_fraction
 from ess_jax.data import char_tokenizer
+from ess_jax.memory import tpu_terms
 from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the API)
     COEF,
     embedding_bytes,
@@ -43,7 +49,6 @@ from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the 
     trained_bytes,
     tree_bytes,
 )
-from ess_jax.memory import tpu_terms
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
@@ -134,7 +139,7 @@ def device_train_terms(device: str, *args, **kwargs) -> dict:
 def sampler_phase(
     cfg, mesh, merged: bool, precision, prompts, samples, prompt_len, new_tokens, kv_cache,
     tpu: bool = False,
-) -> dict[str, float]:
+) -> dict[str, float]:  # fmt: skip
     """Per-device bytes of one sampler call of the policy `cfg` in `precision` (a collection or
     held-out eval): its weights, KV cache and temporaries. `merged` (LoRA): one program merges
     base + adapters straight into the sampler's format and layout (lora_policy.merged; its

@@ -196,7 +196,9 @@ def ffn_width(cfg, mesh) -> int:
     dense = axis_split(cfg.intermediate_size, mesh, "tensor")
     if not any(cfg.is_sparse(i) for i in range(cfg.num_layers)):
         return dense
-    experts = axis_split(cfg.num_experts, mesh, "expert") if "expert" in mesh.shape else cfg.num_experts
+    experts = cfg.num_experts
+    if "expert" in mesh.shape:
+        experts = axis_split(experts, mesh, "expert")
     return max(dense, experts * axis_split(cfg.moe_intermediate_size, mesh, "tensor"))
 
 

@@ -5,7 +5,8 @@ named after the layout difference it stands for. planner.plan uses these for a T
 (a key of presets.CHIPS: v4, v5e, v5p, v6e, tpu7x), terms.py's for CPUs and GPUs.
 
 Where the TPU compiler lays a program out differently from XLA:CPU (measured from its buffer
-assignment, `XLA_FLAGS=--xla_dump_to=DIR`: the `*memory-usage-report.txt` of each module):
+assignment, `XLA_FLAGS=--xla_dump_to=DIR`: each module's `*memory-usage-report.txt` and the
+peak live set in its `*live-range.txt`):
   - the train step: the compiler realises `model.remat` (block inputs of every layer, one
     layer's activations recomputed at a time) and gathers one layer's FSDP weights at a time,
     where XLA:CPU keeps every layer's gathered weights alive (terms.COEF["gathered"]);
@@ -115,8 +116,9 @@ def sampler_terms(
         decode += 2 * terms.batch_split(rows, mesh) * n_kv * s * cfg.head_dim * 4
     return {
         "kv_cache": cache_bytes(cfg, mesh, rows, s, kv_cache),
-        "prefill_cache": cache_bytes(cfg, mesh, rows, prompt_len + decode_bounds(new_tokens)[0],
-                                     kv_cache),  # fmt: skip
+        "prefill_cache": cache_bytes(
+            cfg, mesh, rows, prompt_len + decode_bounds(new_tokens)[0], kv_cache
+        ),  # fmt: skip
         "prefill": prefill + draw,
         "decode": decode,
     }
@@ -139,13 +141,12 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     b = np.dtype(cfg.compute_dtype).itemsize
     v = terms.axis_split(cfg.vocab_size, mesh, "tensor")
     c_head = cfg.logits_chunk if 0 < cfg.logits_chunk < s else s  # the LM head's chunk
+    d, embedding = cfg.hidden_size, terms.embedding_bytes(cfg, mesh, np.float32)
     k = TPU_COEF
     out = {
         "update": k["update"] * terms.trained_bytes(cfg, mesh),
-        "activations (remat: block inputs)": k["stash"] * cfg.num_layers * r * t
-        * cfg.hidden_size * b,
-        "embedding (gathered, its gradient)": k["embedding"]
-        * terms.embedding_bytes(cfg, mesh, np.float32),
+        "activations (remat: block inputs)": k["stash"] * cfg.num_layers * r * t * d * b,
+        "embedding (gathered, its gradient)": k["embedding"] * embedding,
         "logits": k["logits"] * r * c_head * v * 4,
     }
     if full_kl_models:  # as terms.train_terms counts it
