@@ -63,7 +63,7 @@ def reshard_buffers(cfg, mesh) -> float:
     """Per-device bytes of the train -> sample reshard's temporaries: each param gathered into
     a buffer of its own, then copied into the output (module docstring), when FSDP shards
     them (else nothing moves) and they do not fit VMEM."""
-    if mesh.shape["fsdp"] == 1 and mesh.shape["data"] == 1:
+    if mesh.shape["fsdp"] == 1:  # the two layouts differ in the FSDP sharding only
         return 0.0
     full = terms.param_bytes(cfg, mesh, "sample")
     return float(full) if full > VMEM_BYTES else 0.0
