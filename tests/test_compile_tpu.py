@@ -220,3 +220,39 @@ def test_docs_table_is_the_committed_records():
     doc = os.path.join(ROOT, "docs", "tpu.md")
     table = compile_tpu.markdown_table(compile_tpu.read_records())
     assert plan_memory.table_in(doc, compile_tpu.BEGIN, compile_tpu.END) == table
+
+
+def test_planner_within_10_percent_of_every_committed_compile():
+    """Catches a TPU planner term that drifts from the compiler (a decode segment planned at
+    the whole length's cache, the reshard without its second copy, every layer's gathered
+    weights in the step: +48% to +78% before the TPU terms) on any program of the committed
+    records, and committed planner bytes that today's planner no longer gives (replanned on
+    the record with every kind of program; the others are replanned by --replan)."""
+    records = compile_tpu.read_records()
+    assert len(records) >= 5
+    for rec in records:
+        for name, p in rec["programs"].items():
+            if "planner_bytes" in p:
+                err = (p["planner_bytes"] - p["compiler_bytes"]) / p["compiler_bytes"]
+                assert abs(err) <= 0.10, (rec["config"], name, f"{err:+.1%}")
+    os.chdir(ROOT)
+    full = next(r for r in records if r["fits"] is not None)
+    assert compile_tpu.replan(full) == full
+
+
+def test_tpu_plan_has_the_compilers_terms():
+    """Catches plan() on a TPU device falling back to XLA:CPU's terms (every layer's gathered
+    weights in the step, no reshard phase), TPU terms leaking into a GPU plan, and a reshard
+    that counts VMEM-sized models' gathers as HBM temporaries."""
+    from configs.paper import e3_temperature_1p2
+    from ess_jax.config.defaults import base_config
+    from ess_jax.memory import planner, tpu_terms
+
+    c = e3_temperature_1p2.get_config("p3o,v5p-8")
+    tpu, gpu = planner.plan(c, 4, "v5p"), planner.plan(c, 4, "h100")
+    assert "gathered" in gpu.phases["train step"] and "gathered" not in tpu.phases["train step"]
+    assert "reshard" in tpu.phases and "reshard" not in gpu.phases
+    sample = tpu.phases["reshard"]["sample-layout params (f32)"]
+    assert tpu.phases["reshard"]["reshard all-gather buffers"] == sample
+    small = planner.model_config(base_config().model)  # the embedded model: a few MB
+    assert tpu_terms.reshard_buffers(small, planner.abstract_mesh({"fsdp": 4})) == 0.0

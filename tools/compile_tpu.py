@@ -142,11 +142,9 @@ def _per_device(device: str) -> dict:
 
 def _device_key(kind: str) -> str:
     """presets.HBM's key of a libtpu device kind ("TPU v5 lite" -> "v5e")."""
-    table = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e",
-             "TPU7x": "tpu7x"}  # fmt: skip
-    if kind not in table:
+    if kind not in presets.TPU_KINDS:
         raise UserError(f"device kind {kind!r} has no HBM entry (ess_jax/config/presets.py)")
-    return table[kind]
+    return presets.TPU_KINDS[kind]
 
 
 def _gb(x) -> str:

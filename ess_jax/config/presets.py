@@ -59,6 +59,9 @@ CHIPS = {
 }
 HBM.update({kind: chip.hbm / chip.devices_per_chip for kind, chip in CHIPS.items()})
 GPUS = ("h100", "h200")
+# libtpu's device_kind of each TPU generation (jax.Device.device_kind) -> its key in CHIPS
+TPU_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e",
+             "TPU7x": "tpu7x"}  # fmt: skip
 
 # The share of each device's memory a run may fill; the rest is left to XLA's workspace,
 # collectives and fragmentation. The memory planner checks a plan against it, and on GPUs the

@@ -11,6 +11,11 @@ and shardings are exact (`jax.eval_shape` of the optimizer, the model's logical 
 abstract mesh of any size); the per-unit coefficients (COEF) are XLA's, fitted to
 `compiled.memory_analysis()` on CPU. tests/test_plan_memory.py holds the estimates within 25% of
 XLA's for the train step and the sampler on 1 and 8 devices, on shapes not used for the fit.
+On a TPU device (a key of presets.CHIPS) the transients are the TPU compiler's
+(tpu_terms.py: the train step as the compiler realises remat, decode segments at their own
+cache bound with the weight copies it hoists, and a reshard phase with its second copy of the
+sample-layout params), within 6% of libtpu's memory_analysis on every program of the committed
+records (results/tpu/*.json, tests/test_compile_tpu.py).
 objective.kl_estimator "full" adds its re-score's logits to the train step (and, with lag 0
 and several updates per batch, the copy of the params it re-scores with).
 
@@ -31,6 +36,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from ess_jax.config.presets import GB, HBM, KNOWN_MODELS, memory_fraction
 from ess_jax.data import char_tokenizer
+from ess_jax.memory import tpu_terms
 from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the API)
     COEF,
     embedding_bytes,
@@ -124,9 +130,16 @@ class Plan:
         return out
 
 
+def device_train_terms(device: str, *args, **kwargs) -> dict:
+    """train_terms on `device`: the TPU compiler's (tpu_terms) on a TPU, XLA:CPU's else."""
+    fn = tpu_terms.train_terms if tpu_terms.is_tpu(device) else train_terms
+    return fn(*args, **kwargs)
+
+
 def sampler_phase(
-    cfg, mesh, merged: bool, precision, prompts, samples, prompt_len, new_tokens, kv_cache
-) -> dict[str, float]:
+    cfg, mesh, merged: bool, precision, prompts, samples, prompt_len, new_tokens, kv_cache,
+    tpu: bool = False,
+) -> dict[str, float]:  # fmt: skip
     """Per-device bytes of one sampler call of the policy `cfg` in `precision` (a collection or
     held-out eval): its weights, KV cache and temporaries. `merged` (LoRA): one program merges
     base + adapters straight into the sampler's format and layout (lora_policy.merged; its
@@ -134,10 +147,14 @@ def sampler_phase(
     exists). Else sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params."""
     from ess_jax.sampling.precision import sample_config
 
-    terms = sampler_terms(
-        sample_config(cfg, precision), mesh, prompts, samples, prompt_len, new_tokens,
-        precision, kv_cache,
-    )  # fmt: skip
+    args = (sample_config(cfg, precision), mesh, prompts, samples, prompt_len, new_tokens,
+            precision, kv_cache)  # fmt: skip
+    if tpu:  # the largest program: the last decode segment, or the prefill
+        terms = tpu_terms.sampler_terms(*args)
+        prefill = terms["prefill"] + terms["prefill_cache"] - terms["kv_cache"]
+        terms["prefill"] = max(prefill, 0.0)
+    else:
+        terms = sampler_terms(*args)
     copy = sampler_copy_bytes(cfg, mesh, precision)
     if merged:
         if precision == "float32":
@@ -195,8 +212,11 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch // t.num_microbatches
     full_kl = config.objective.get("kl_estimator") == "full"
     n_full = (1 + (r.external_fraction > 0)) if full_kl else 0
+    tpu = tpu_terms.is_tpu(device)
     phases: dict[str, dict[str, float]] = {
-        "train step": train_terms(cfg, amesh, rows, seq_len, n_full, r.max_new_tokens)
+        "train step": device_train_terms(
+            device, cfg, amesh, rows, seq_len, n_full, r.max_new_tokens
+        )
     }
     if full_kl and not r.lag and t.updates_per_batch > 1:  # full_kl.FullKL.inputs' copy
         phases["train step"]["behaviour params copy"] = trained
@@ -213,15 +233,20 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
             continue
         merged = bool(rank) and mcfg is policy_cfg
         phases[name] = sampler_phase(
-            mcfg, amesh, merged, precision, prompts, n, prompt_len, r.max_new_tokens, kv
+            mcfg, amesh, merged, precision, prompts, n, prompt_len, r.max_new_tokens, kv, tpu
         )
     e = config.eval
     if e.every:  # rl/heldout.py: the policy in eval.precision, its KV cache in eval's own
         precision = e.get("precision", "float32")
         phases["eval"] = sampler_phase(
             policy_cfg, amesh, bool(rank), precision, e.batch_size, e.k, prompt_len,
-            e.max_new_tokens, e.get("kv_cache_precision", "compute"),
+            e.max_new_tokens, e.get("kv_cache_precision", "compute"), tpu,
         )  # fmt: skip
+    if tpu and not rank:  # the TPU compiler's train -> sample move (tpu_terms.reshard_buffers)
+        phases["reshard"] = {
+            "sample-layout params (f32)": param_bytes(policy_cfg, amesh, "sample"),
+            "reshard all-gather buffers": tpu_terms.reshard_buffers(policy_cfg, amesh),
+        }
     if r.lag:
         phases["history push"] = {"new version": trained}
     if t.get("mode") == "async" and t.get("async_role", "both") != "both":

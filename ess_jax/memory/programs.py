@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import optax
 
 from ess_jax import objectives as obj_lib
-from ess_jax.memory import planner
+from ess_jax.config.presets import TPU_KINDS
+from ess_jax.memory import planner, tpu_terms
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
@@ -121,11 +122,19 @@ def _static(cfg, n: int, new_tokens: int, temperature: float, kv: str) -> decode
     )  # fmt: skip
 
 
+def device_of(mesh) -> str:
+    """The planner's device key of `mesh`'s devices: a TPU generation (presets.TPU_KINDS), or
+    "h100" for a CPU or GPU mesh (XLA:CPU's terms)."""
+    return TPU_KINDS.get(mesh.devices.flat[0].device_kind, "h100")
+
+
 def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, new, temperature,
                      precision, kv, amesh, beside) -> list[Program]:  # fmt: skip
     """The prefill and every decode segment of one sampler call of `prompts` x `n` samples
     (prompt width `prompt`, a data.buckets width). `weights(compiled)`: the sampler's abstract
-    copy, laid out as the program that makes it outputs it; `w_bytes` its bytes per device."""
+    copy, laid out as the program that makes it outputs it; `w_bytes` its bytes per device.
+    Planner bytes on a TPU: each segment's cache at its own bound (tpu_terms.sampler_terms);
+    else the whole length's (terms.sampler_terms)."""
     scfg = precision_lib.sample_config(cfg, precision)
     st = _static(cfg, n, new, temperature, kv)
     prefill, dec = sampler_lib.programs(scfg, st, mesh)
@@ -141,9 +150,12 @@ def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, ne
     def prefill_args(compiled):
         return weights(compiled), toks, mask, jax.random.key(0), *scalars
 
-    terms = planner.sampler_terms(scfg, amesh, prompts, n, width, new, precision, kv)
+    args = (scfg, amesh, prompts, n, width, new, precision, kv)
+    tpu = tpu_terms.is_tpu(device_of(mesh))
+    terms = tpu_terms.sampler_terms(*args) if tpu else planner.sampler_terms(*args)
+    cache = terms["prefill_cache"] if tpu else terms["kv_cache"]
     out = [Program(f"{prefix}/prefill", prefill, prefill_args,
-                   w_bytes + terms["kv_cache"] + terms["prefill"], beside)]  # fmt: skip
+                   w_bytes + cache + terms["prefill"], beside)]  # fmt: skip
 
     def state_for(bound):
         def args(compiled):
@@ -159,6 +171,8 @@ def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, ne
 
     previous = 1  # the prefill draws the first token
     for bound, segment in zip(dec.bounds, dec.segments):
+        if tpu:
+            terms = tpu_terms.sampler_terms(*args, bound=bound)
         out.append(
             Program(f"{prefix}/decode{bound}", segment, state_for(bound),
                     w_bytes + terms["kv_cache"] + terms["decode"], beside, bound - previous)
@@ -181,7 +195,8 @@ def run_programs(config, mesh) -> list[Program]:
     """Every distinct program a (synchronous) run of `config` compiles, on `mesh`."""
     sizes = dict(mesh.shape)
     amesh = planner.abstract_mesh(sizes)
-    plan = planner.plan(config, mesh.size, "v5p", sizes)  # bytes only: the device is unused
+    device = device_of(mesh)
+    plan = planner.plan(config, mesh.size, device, sizes)
     cfg = lora_policy.lora_config(config.model, planner.model_config(config.model))
     rank = lora_policy.lora_settings(config.model)[0]
     policy_cfg = lora.base_config(cfg)
@@ -246,13 +261,17 @@ def run_programs(config, mesh) -> list[Program]:
             "tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=bsh),
             "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=bsh),
         }
-        terms = planner.train_terms(cfg, amesh, config.sft.batch_size, sft_len, 0, sft_len)
+        terms = planner.device_train_terms(
+            device, cfg, amesh, config.sft.batch_size, sft_len, 0, sft_len
+        )
         sft_held = _bytes(sft_state.params) + _bytes(sft_state.opt_state) + _bytes(frozen or {})
         out.append(Program("sft_step", steps.make_sft_step(cfg, stx, sft_sh, bsh, config.seed),
                            (sft_state, sft_batch), sft_held + _bytes(sft_batch)
                            + sum(terms.values()), beside_train))  # fmt: skip
 
     sample_sh = model_lib.param_shardings(policy_cfg, mesh, "sample")
+    # the reshard's all-gather buffers (the TPU compiler's second copy; XLA:CPU's: not measured)
+    buffers = tpu_terms.reshard_buffers(policy_cfg, amesh) if tpu_terms.is_tpu(device) else 0.0
     sample_params = abstract(model_lib.abstract_params(policy_cfg), sample_sh)
 
     def weights_for(precision: str):
@@ -276,13 +295,14 @@ def run_programs(config, mesh) -> list[Program]:
         # moments, history, ...); beside the sampler copy (it reads the sample layout): all of it
         beside = resident - _bytes(params) if name != f"sampler_copy/{precision}" else resident
         if not any(p.name == name for p in out):
-            out.append(Program(name, fn, args, _bytes(args) + copy_bytes, beside))
+            extra = buffers if name == "reshard" else 0.0
+            out.append(Program(name, fn, args, _bytes(args) + copy_bytes + extra, beside))
         if name == "reshard":
             return (lambda compiled: sample_params), copy_bytes
         if name.startswith("sampler_copy") and not any(p.name == "reshard" for p in out):
             move = jax.jit(lambda p: p, out_shardings=sample_sh)
-            out.append(Program("reshard", move, (params,), _bytes(params) + _bytes(sample_params),
-                               resident - _bytes(params)))  # fmt: skip
+            out.append(Program("reshard", move, (params,), _bytes(params) + _bytes(sample_params)
+                               + buffers, resident - _bytes(params)))  # fmt: skip
         return (lambda compiled: abstract(copy, compiled[name].output_shardings)), copy_bytes
 
     calls = int(r.get("sample_microbatches", 1))

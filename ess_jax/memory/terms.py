@@ -115,10 +115,11 @@ def embedding_bytes(cfg, mesh, dtype) -> int:
     )
 
 
-def block_bytes(cfg, mesh, dtype) -> int:
-    """Per-device bytes of the seven block matrices of every layer in `dtype`, train layout."""
+def block_bytes(cfg, mesh, dtype, mode: str = "train") -> int:
+    """Per-device bytes of the seven block matrices of every layer in `dtype`, in the `train`
+    or `sample` layout."""
     flat = jax.tree_util.tree_leaves_with_path(model_lib.abstract_params(cfg))
-    shardings = jax.tree.leaves(model_lib.param_shardings(cfg, mesh, "train"))
+    shardings = jax.tree.leaves(model_lib.param_shardings(cfg, mesh, mode))
     blocks = [
         (jax.ShapeDtypeStruct(x.shape, dtype), s)
         for (path, x), s in zip(flat, shardings)
@@ -175,13 +176,14 @@ def optimizer_shapes(cfg, optim_items: tuple):
     return jax.eval_shape(tx.init, trainable(cfg, model_lib.abstract_params(cfg)))
 
 
-def _div(n: int, mesh, axis: str) -> int:
+def axis_split(n: int, mesh, axis: str) -> int:
     """n split over a mesh axis when it divides (sharding.logical_to_spec replicates else)."""
     k = mesh.shape[axis]
     return n // k if n % k == 0 else n
 
 
-def _rows(n: int, mesh) -> float:
+def batch_split(n: int, mesh) -> float:
+    """n rows split over the batch's mesh axes (data x fsdp) when they divide, else whole."""
     k = mesh.shape["data"] * mesh.shape["fsdp"]
     return n / k if n % k == 0 else float(n)
 
@@ -191,11 +193,13 @@ def ffn_width(cfg, mesh) -> int:
     intermediate_size (split over "tensor"), or on a mixture-of-experts model (model/moe.py's
     dense expert path: every expert on every token, [B, T, E, F] activations) its experts on
     this device times their width (E over "expert", F over "tensor"), whichever is larger."""
-    dense = _div(cfg.intermediate_size, mesh, "tensor")
+    dense = axis_split(cfg.intermediate_size, mesh, "tensor")
     if not any(cfg.is_sparse(i) for i in range(cfg.num_layers)):
         return dense
-    experts = _div(cfg.num_experts, mesh, "expert") if "expert" in mesh.shape else cfg.num_experts
-    return max(dense, experts * _div(cfg.moe_intermediate_size, mesh, "tensor"))
+    experts = cfg.num_experts
+    if "expert" in mesh.shape:
+        experts = axis_split(experts, mesh, "expert")
+    return max(dense, experts * axis_split(cfg.moe_intermediate_size, mesh, "tensor"))
 
 
 def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
@@ -204,13 +208,13 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     `full_kl_models`: behaviour models re-scored in the step (objective.kl_estimator "full":
     1, 2 with an external model); their params are the caller's to count. `scored_len`: the
     positions the LM head runs on (an RL step's responses; default all)."""
-    r, t = _rows(rows, mesh), seq_len
+    r, t = batch_split(rows, mesh), seq_len
     s = seq_len if scored_len is None else scored_len
     b = np.dtype(cfg.compute_dtype).itemsize
     n_layers, d = cfg.num_layers, cfg.hidden_size
     f = ffn_width(cfg, mesh)
-    h = _div(cfg.num_heads, mesh, "tensor")
-    v = _div(cfg.vocab_size, mesh, "tensor")
+    h = axis_split(cfg.num_heads, mesh, "tensor")
+    v = axis_split(cfg.vocab_size, mesh, "tensor")
     c = cfg.logits_chunk if 0 < cfg.logits_chunk < t else 0  # attention's query chunks
     c_head = cfg.logits_chunk if 0 < cfg.logits_chunk < s else 0  # the LM head's
     k = COEF
@@ -267,9 +271,9 @@ def sampler_terms(
     of the shorter cache is alive: not counted)."""
     b = kv_bytes_per_element(cfg, kv_cache)
     s = prompt_len + new_tokens
-    n_kv = _div(cfg.num_kv_heads, mesh, "tensor")
-    h = _div(cfg.num_heads, mesh, "tensor")
-    rows, uniq = _rows(prompts * samples, mesh), _rows(prompts, mesh)
+    n_kv = axis_split(cfg.num_kv_heads, mesh, "tensor")
+    h = axis_split(cfg.num_heads, mesh, "tensor")
+    rows, uniq = batch_split(prompts * samples, mesh), batch_split(prompts, mesh)
     per_pos = 2 * cfg.num_layers * n_kv * cfg.head_dim * b  # K and V of every layer
     per_row = per_pos * s
     prefill_row = per_pos * (prompt_len + decode_bounds(new_tokens)[0])

@@ -1,0 +1,154 @@
+"""The TPU compiler's transients, as terms.py counts XLA:CPU's: the same programs laid out by
+libtpu's compiler (`compiled.memory_analysis()` of programs compiled for TPU topologies on a
+CPU host, ess_jax/memory/tpu.py), each term a shape count times a coefficient (TPU_COEF) and
+named after the layout difference it stands for. planner.plan uses these for a TPU device
+(a key of presets.CHIPS: v4, v5e, v5p, v6e, tpu7x), terms.py's for CPUs and GPUs.
+
+Where the TPU compiler lays a program out differently from XLA:CPU (measured from its buffer
+assignment, `XLA_FLAGS=--xla_dump_to=DIR`: each module's `*memory-usage-report.txt` and the
+peak live set in its `*live-range.txt`):
+  - the train step: the compiler realises `model.remat` (block inputs of every layer, one
+    layer's activations recomputed at a time) and gathers one layer's FSDP weights at a time,
+    where XLA:CPU keeps every layer's gathered weights alive (terms.COEF["gathered"]);
+  - a decode segment's cache is the segment's own bound, not the whole length; the compiler
+    hoists out of the decode loop a relaid-out copy of every layer's q / k / v projections
+    (bfloat16 weights) or a bfloat16 copy of every block matrix (float32 weights: the MXU's
+    default precision rounds float32 operands to bfloat16), and reads one layer's bfloat16
+    cache as float32;
+  - the train -> sample reshard gathers every param into a buffer of its own and copies it
+    into the output: a second full copy of the sample-layout params (above VMEM's size; a
+    model smaller than that gathers into VMEM, which memory_analysis does not count).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ess_jax.config.presets import CHIPS
+from ess_jax.memory import terms
+from ess_jax.model import layers
+from ess_jax.sampling.decode import decode_bounds
+
+# The TPU compiler's bytes per unit of each term (module docstring), fitted to libtpu 0.0.42.1's
+# memory_analysis on v5e and v5p topologies.
+TPU_COEF = {
+    # train step (model.remat): a least-squares fit over 8 compiles (docs/memory.md)
+    "update": 3.36,  # x params shard: gradient accumulator, a micro-batch's gradient, AdamW's
+    "stash": 1.74,  # x L r T D b: every layer's block input, and the buffers of its gradient
+    "embedding": 1.66,  # x the embedding's float32 bytes (tensor-split): gathered copy, gradient
+    "logits": 2.38,  # x r C V 4: an LM-head chunk's float32 logits and their gradient
+    # sampler
+    "prefill_attn": 0.6,  # x uniq KV P C 4: the prefill's float32 attention scores
+    "prefill_mlp": 2.3,  # x uniq P F b: the prefill's feed-forward activations
+    "draw": 3.0,  # x rows V 4: one token's float32 logits and draw
+}
+# Memory that memory_analysis does not count (the cores' VMEM): a reshard of fewer bytes than
+# this gathers into it (a 65 MB model: no temporaries), a larger one into HBM (Qwen3-4B).
+VMEM_BYTES = 128 * 2**20
+
+
+def is_tpu(device: str) -> bool:
+    """Whether `device` (a key of presets.HBM) is a TPU generation."""
+    return device in CHIPS
+
+
+def cache_bytes(cfg, mesh, rows: int, length: int, kv_cache: str = "compute") -> float:
+    """Per-device bytes of the KV cache of `rows` sequences at `length` positions."""
+    b = terms.kv_bytes_per_element(cfg, kv_cache)
+    n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
+    return terms.batch_split(rows, mesh) * 2 * cfg.num_layers * n_kv * cfg.head_dim * b * length
+
+
+def reshard_buffers(cfg, mesh) -> float:
+    """Per-device bytes of the train -> sample reshard's temporaries: each param gathered into
+    a buffer of its own, then copied into the output (module docstring), when FSDP shards
+    them (else nothing moves) and they do not fit VMEM."""
+    if mesh.shape["fsdp"] == 1:  # the two layouts differ in the FSDP sharding only
+        return 0.0
+    full = terms.param_bytes(cfg, mesh, "sample")
+    return float(full) if full > VMEM_BYTES else 0.0
+
+
+def hoisted_weights(cfg, mesh, precision: str) -> float:
+    """Per-device bytes of the weights the TPU compiler copies out of the decode loop (module
+    docstring): float32 weights -> every block matrix in bfloat16; 16-bit weights -> every
+    layer's q / k / v projections relaid out; quantized formats -> the same projections."""
+    if precision == "float32":
+        return float(terms.block_bytes(cfg, mesh, np.dtype("bfloat16"), "sample"))
+    h = terms.axis_split(cfg.num_heads, mesh, "tensor")
+    n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
+    return float(cfg.num_layers * cfg.hidden_size * (h + 2 * n_kv) * cfg.head_dim * 2)
+
+
+def sampler_terms(
+    cfg,
+    mesh,
+    prompts: int,
+    samples: int,
+    prompt_len: int,
+    new_tokens: int,
+    precision: str,
+    kv_cache: str = "compute",
+    bound: int | None = None,
+) -> dict[str, float]:
+    """terms.sampler_terms on a TPU, per device: `kv_cache` at the decode segment's `bound`
+    (default: the last, new_tokens), `prefill_cache` the prefill's output (the first
+    segment's), `prefill` and `decode` the temporaries of the prefill and of that segment.
+    `cfg.dtype` is the sampler's compute dtype."""
+    bound = new_tokens if bound is None else bound
+    rows, uniq = prompts * samples, terms.batch_split(prompts, mesh)
+    n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
+    f = terms.ffn_width(cfg, mesh)
+    v = cfg.vocab_size
+    c = cfg.logits_chunk
+    if not 0 < c < prompt_len:
+        c = max(z - a for a, z, _ in layers.causal_blocks(prompt_len))
+    k = TPU_COEF
+    b = np.dtype(cfg.compute_dtype).itemsize
+    s = prompt_len + bound
+    draw = k["draw"] * terms.batch_split(rows, mesh) * v * 4
+    prefill = (
+        k["prefill_attn"] * uniq * n_kv * prompt_len * c * 4
+        + k["prefill_mlp"] * uniq * prompt_len * f * b
+    )
+    decode = draw + hoisted_weights(cfg, mesh, precision)
+    if terms.kv_bytes_per_element(cfg, kv_cache) < 4:  # one layer's K and V read as float32
+        decode += 2 * terms.batch_split(rows, mesh) * n_kv * s * cfg.head_dim * 4
+    return {
+        "kv_cache": cache_bytes(cfg, mesh, rows, s, kv_cache),
+        "prefill_cache": cache_bytes(
+            cfg, mesh, rows, prompt_len + decode_bounds(new_tokens)[0], kv_cache
+        ),  # fmt: skip
+        "prefill": prefill + draw,
+        "decode": decode,
+    }
+
+
+def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
+    """terms.train_terms on a TPU (same arguments), per device, with `model.remat` (every
+    paper arm): the gradient state, the block inputs of every layer (the compiler's remat:
+    no layer's gathered weights or activations outlive its backward), the gathered embedding
+    and its gradient, one LM-head chunk's logits. One layer's recomputed attention and
+    feed-forward activations are at the peak too (a [r, H, C, T] float32 score buffer and its
+    gradient in Qwen3-4B's), yet take no weight of their own in the fit: the other terms'
+    coefficients absorb them and the allocator's fragmentation (memory_analysis's temporaries
+    exceed the live peak by 12-45% in the dumps). Without remat, or with LoRA (QLoRA), the
+    step is not measured on TPU: terms.train_terms (XLA:CPU's)."""
+    if not cfg.remat or cfg.lora_rank:
+        return terms.train_terms(cfg, mesh, rows, seq_len, full_kl_models, scored_len)
+    r, t = terms.batch_split(rows, mesh), seq_len
+    s = seq_len if scored_len is None else scored_len
+    b = np.dtype(cfg.compute_dtype).itemsize
+    v = terms.axis_split(cfg.vocab_size, mesh, "tensor")
+    c_head = cfg.logits_chunk if 0 < cfg.logits_chunk < s else s  # the LM head's chunk
+    d, embedding = cfg.hidden_size, terms.embedding_bytes(cfg, mesh, np.float32)
+    k = TPU_COEF
+    out = {
+        "update": k["update"] * terms.trained_bytes(cfg, mesh),
+        "activations (remat: block inputs)": k["stash"] * cfg.num_layers * r * t * d * b,
+        "embedding (gathered, its gradient)": k["embedding"] * embedding,
+        "logits": k["logits"] * r * c_head * v * 4,
+    }
+    if full_kl_models:  # as terms.train_terms counts it
+        out["full KL re-score"] = terms.COEF["full_kl"] * full_kl_models * r * c_head * v * 4
+    return out
