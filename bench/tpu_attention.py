@@ -3,8 +3,8 @@ with libtpu on any host: `model.attention_impl` "einsum" (layers.attention, quer
 model.logits_chunk against every key) against "splash" (model/splash.py, the Pallas
 flash-attention kernel), per device, at the RL step's micro-batch shapes.
 
-    .venv/bin/python -m bench.tpu_attention              # E3 and E5 on v5p-8: ~2 min on 2 cores
-    .venv/bin/python -m bench.tpu_attention --json=results/tpu/attention.json
+    .venv/bin/python -m bench.tpu_attention            # E3 and E5 on v5p-8: minutes on 2 cores
+    .venv/bin/python -m bench.tpu_attention --json=results/tpu_attention/v5p-8.json
 
 Per arm and path it prints what the TPU compiler lays out (temporaries of the program: the
 attention's own buffers, the inputs and outputs aside) and, for the einsum path, the

@@ -19,6 +19,8 @@ def _record(step_trips: int) -> dict:
     return {
         "config": "configs/quickstart.py",
         "topology": "v5p:2x2x1",
+        "devices": 4,
+        "hosts": 1,
         "per_device": {"hbm_bandwidth": 2e12},
         "programs": {
             "rl_step": row(2.0, step_trips),
@@ -44,8 +46,8 @@ def test_terms_rebuild_loops_from_their_bodies():
     """Catches a step time taken as optimal_seconds x loop_trips when the statistics pass's
     forward loop and the kept last micro-batch are in the program (E3's step: (M - 1) f + M g
     over f + 2 g), the remat ratio g = 4 f ignored, eval's programs counted as the sampler's,
-    a decode segment counted once instead of per token, and the pull sized by anything but the
-    train-layout params over the link."""
+    a decode segment counted once instead of per token, and the pull sized by anything but a
+    host's train-layout params over its link."""
     t = async_tpu.terms(_record(3), _config(True), 1, 1, 2.0)
     assert t["train_s"] == pytest.approx(2 * 2.0 * (3 + 4 * 4) / (1 + 2 * 4))  # 8.444
     assert async_tpu.terms(_record(3), _config(False), 1, 1, 2.0)["train_s"] == pytest.approx(
@@ -53,7 +55,8 @@ def test_terms_rebuild_loops_from_their_bodies():
     )
     assert async_tpu.terms(_record(4), _config(True), 1, 1, 2.0)["train_s"] == 2 * 2.0 * 4
     assert t["sample_s"] == pytest.approx(2 * (0.5 + 0.1 * 3 + 0.2 * 4) + 0.05)  # 3.25
-    assert t["pull_s"] == pytest.approx(2.0) and t["push_s"] == pytest.approx(4e-3)
+    assert t["pull_s"] == pytest.approx(4e9 * 4 / 2e9)  # a host's 4 devices over one link
+    assert t["push_s"] == pytest.approx(4e-3)
     assert t["sync_both_s"] == pytest.approx((3.25 + 4 * 19 / 9) / 2)
 
 

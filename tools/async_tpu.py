@@ -23,9 +23,10 @@ it, per RL step of the config:
             model.remat (forward, recomputed forward, backward of twice the forward's flops)
             and 3 f without.
   push_s    the trainer's copy of its params for the pull (twice their bytes through HBM).
-  pull_s    the sampler's pull of one version: the train-layout params per device over
-            --link_gbs (default 1.6 GB/s, the loopback pull measured on the CPU host,
-            docs/running.md: a floor; the slices' data-centre network is faster).
+  pull_s    the sampler's pull of one version: the train-layout params of a host's devices
+            over --link_gbs, GB/s per host (default 1.55, results/groups_sync/smollm2.json: the
+            loopback pull of 538 MB between two processes of the CPU host, one host's figure
+            for all its devices; a floor: the slices' data-centre network is faster).
 
 The synchronous run on both slices at once (one mesh of twice the chips, data-parallel over
 the slices) runs the same per-device programs on half the rows each: sample_s / 2 + train_s /
@@ -50,7 +51,7 @@ import plan_memory  # noqa: E402  (tools/plan_memory.py: a config file read as e
 from ess_jax.config.schema import UserError  # noqa: E402
 from ess_jax.rl import async_cost  # noqa: E402
 
-LOOPBACK_GBS = 1.6  # docs/running.md: SmolLM2-135M's 538 MB pulled in 0.35 s (median)
+LOOPBACK_GBS = 1.55  # results/groups_sync/smollm2.json: 538 MB in 0.346 s (median), one host
 
 
 def step_seconds(row: dict, microbatches: int, remat: bool) -> float:
@@ -95,7 +96,7 @@ def terms(record: dict, config, max_lag: int, sync_every: int, link_gbs: float) 
         "sample_s": sample_s,
         "train_s": train_s,
         "push_s": 2 * params / hbm,
-        "pull_s": params / (link_gbs * 1e9),
+        "pull_s": params * record["devices"] / record["hosts"] / (link_gbs * 1e9),
         "params_bytes": params,
         "sync_both_s": (sample_s + train_s) / 2,
         "max_lag": max_lag,
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("record", help="a tools/compile_tpu.py record of every program")
     p.add_argument("--max_lag", type=int, default=1)
     p.add_argument("--sync_every", type=int, default=1)
-    p.add_argument("--link_gbs", type=float, default=LOOPBACK_GBS, help="pull GB/s per device")
+    p.add_argument("--link_gbs", type=float, default=LOOPBACK_GBS, help="pull GB/s per host")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     try:
@@ -134,9 +135,10 @@ def main(argv=None) -> int:
         sampler_share=out["sample_s"] / (out["sample_s"] + out["train_s"]),
     )
     print(f"{record['config']} on two {record['topology']} slices (compiler's estimates):")
+    per_device = out["params_bytes"] / 1e9
     print(f"  per slice: sample {out['sample_s']:.1f} s, train {out['train_s']:.1f} s, "
           f"push {out['push_s']:.3f} s, pull {out['pull_s']:.2f} s "
-          f"({out['params_bytes'] / 1e9:.2f} GB at {args.link_gbs} GB/s)")  # fmt: skip
+          f"({per_device:.2f} GB per device, {args.link_gbs} GB/s per host)")  # fmt: skip
     print(f"  sync on both slices: {out['sync_both_s']:.1f} s per step")
     print(f"  async, sampler slice + trainer slice (max_lag {args.max_lag}): "
           f"{pred.step_s:.1f} s per step, speed-up {out['speedup']:.2f}x")  # fmt: skip

@@ -323,10 +323,14 @@ class RemoteLink:
                 continue
             try:
                 hello = conn.recv() if conn.poll(HELLO_TIMEOUT_S) else None
-            except (EOFError, OSError):
+            except Exception:  # gone, or not a message of this protocol (unpickling failed)
                 hello = None
-            if not isinstance(hello, Hello):
-                logging.error("a sampler group connected without saying its device count")
+            if (
+                not isinstance(hello, Hello)
+                or not isinstance(hello.devices, int)
+                or (hello.devices < 1)
+            ):
+                logging.error("refused a sampler group that did not say its device count")
                 conn.close()
                 continue
             self._exchange(hello.devices)
