@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ess_jax.model import grouped
 from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import dense, matmul_input
 
@@ -149,6 +150,11 @@ class MoE(nnx.Module):
         x_BxTxD = matmul_input(x_BxTxD, cfg.activation_fp8)  # rounded once, for every matmul
         logits_BxTxE = self._logits(cfg, x_BxTxD)
         weights, experts = route(cfg, logits_BxTxE, replay_BxTxX)
+        stacks = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
+        if cfg.moe_impl == "grouped":  # each token's X experts only (grouped.py)
+            stacks = tuple(w.astype(dt) for w in stacks)
+            out = grouped.expert_ffn(x_BxTxD, weights, experts, *stacks, cfg.activation_fp8)
+            return out, (experts, logits_BxTxE)
         c_BxTxE = combine_matrix(weights, experts, cfg.num_experts)
         g = jnp.einsum("btd,edf->btef", x_BxTxD, self.expert_gate[...].astype(dt))
         u = jnp.einsum("btd,edf->btef", x_BxTxD, self.expert_up[...].astype(dt))
