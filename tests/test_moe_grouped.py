@@ -5,11 +5,12 @@ behaviour log-probs a replayed re-score reproduces); it compiles for a TPU slice
 TPU is refused. The kernel runs in Pallas interpret mode on this CPU (`grouped.INTERPRET`, set
 here only); the TPU compile checks that the real kernel lowers.
 
-Tolerances. float32: the two paths differ in summation order only (measured: 5e-7 on outputs
-of size ~2.5, 5e-5 on gradients of size ~165): 1e-5 relative to the largest entry. bfloat16:
-the dense path rounds its one (E, F) contraction once, the grouped one sums a token's X rows in
-float32 and rounds once: measured equal outputs and gradients one bfloat16 ulp apart (0.25 at
-38): 2**-6 relative to the largest entry."""
+Tolerances. float32: the two paths differ in summation order only (measured on the block
+test: 4.8e-7 on outputs of size 2.8, 3e-5 on gradients of size 164; at most 3.3e-7 of each
+array's largest entry): 1e-5 relative to the largest entry. bfloat16: the dense path rounds
+its one (E, F) contraction once, the grouped one sums a token's X rows in float32 and rounds
+once: measured equal outputs and weight gradients, the input's gradient one bfloat16 ulp apart
+(0.25 at 39.75, 0.6%): 2**-6 relative to the largest entry."""
 
 import jax
 import jax.numpy as jnp
@@ -68,9 +69,9 @@ def test_block_forward_and_gradient_match_dense_with_replayed_routing(dtype):
     _close(out_grouped, out_dense, TOL[dtype])
     for a, b in zip(jax.tree.leaves(g_dense), jax.tree.leaves(g_grouped)):
         _close(b, a, TOL[dtype])
-    # the power of the check: the replay changes the block's output by far more than TOL
-    _, (own, _) = run(state, x, "grouped", None)
-    assert float(jnp.abs(own.astype(jnp.float32) - out_grouped.astype(jnp.float32)).max()) > 0.1
+    if dtype == "float32":  # the power of the check: the replay moves the output by > 0.1
+        _, (own, _) = run(state, x, "grouped", None)
+        assert float(jnp.abs(own - out_grouped).max()) > 0.1
 
 
 def test_model_log_probs_and_gradients_under_expert_ranks():

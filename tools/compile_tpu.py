@@ -211,6 +211,12 @@ def _estimates(p: dict, per_device: dict) -> tuple[str, str, str]:
     return mfu, floor, ici_s
 
 
+def _config_cell(rec: dict) -> str:
+    """The record's --config, and the layers compiled when not all (--layers)."""
+    layers = rec.get("layers")
+    return f"`{rec['config']}`" + (f" (first {layers} layers)" if layers else "")
+
+
 def markdown_table(records: list[dict]) -> str:
     """One row per compiled program of each record: compiler vs planner bytes, the compiler's
     cost (one loop body) and the estimates drawn from it. Every time is the compiler's
@@ -223,7 +229,7 @@ def markdown_table(records: list[dict]) -> str:
     ]
     for rec in records:
         for name, p in rec["programs"].items():
-            head = f"| `{rec['config']}` | {rec['topology']} | {name} |"
+            head = f"| {_config_cell(rec)} | {rec['topology']} | {name} |"
             if "error" in p:
                 lines.append(f"{head} refused: {p['error'][:120]} |" + " |" * 9)
                 continue
@@ -241,7 +247,7 @@ def markdown_table(records: list[dict]) -> str:
             rec["fits"], "compiled programs only (--only)"
         )
         lines.append(
-            f"| `{rec['config']}` | {rec['topology']} | **peak** | {_gb(rec['peak_bytes'])} of "
+            f"| {_config_cell(rec)} | {rec['topology']} | **peak** | {_gb(rec['peak_bytes'])} of "
             f"{_gb(rec['usable_bytes'])} usable: {verdict} |" + " |" * 9
         )
     return "\n".join(lines)
