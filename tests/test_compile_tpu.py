@@ -220,3 +220,20 @@ def test_docs_table_is_the_committed_records():
     doc = os.path.join(ROOT, "docs", "tpu.md")
     table = compile_tpu.markdown_table(compile_tpu.read_records())
     assert plan_memory.table_in(doc, compile_tpu.BEGIN, compile_tpu.END) == table
+
+
+def test_a_layer_slice_is_planned_and_labelled_as_compiled(tmp_path):
+    """The committed Qwen3-30B-A3B record compiled the model's first 4 layers (--layers 4):
+    --replan plans the same slice (its planner bytes unchanged, 23.9 GB; the whole 48-layer
+    model plans 74 GB) and the docs table names the slice. Catches a replan or a table that
+    reads a sliced record as the whole model (a planner error of +200% where it is -3%)."""
+    name = "moe_qwen3_30b_a3b__p3o+replay__v5p-64__rl_step__4_layers.json"
+    rec = json.loads(open(os.path.join(ROOT, "results", "tpu", name)).read())
+    assert rec["layers"] == 4
+    path = tmp_path / name
+    path.write_text(json.dumps(rec))
+    assert compile_tpu.main(["--replan", str(path)]) == 0
+    planned = json.loads(path.read_text())["programs"]["rl_step"]["planner_bytes"]
+    assert planned == pytest.approx(rec["programs"]["rl_step"]["planner_bytes"], rel=1e-9)
+    assert planned < 40e9  # not the whole model's 74 GB
+    assert "(first 4 layers)" in compile_tpu.markdown_table([rec])
