@@ -15,16 +15,18 @@ Pallas interpret mode, so its numbers are checked on the CPU; it is the kernel M
 layer uses on TPUs. `jax.lax.ragged_dot` computes the same products, but its TPU lowering is
 the compiler's, not a kernel whose tiling this module sets.
 
-Contract of `expert_ffn` (N tokens, D width, E experts, X per token, F an expert's width):
-  - x [N, D] in the compute dtype; weights [N, X] (the routing weights, as moe.route gives
-    them); experts [N, X] int32 (distinct per token); gate, up [E, D, F], down [E, F, D] in the
-    compute dtype. Returns [N, D] in x's dtype: sum_j w_j down_e(silu(x gate_e) * (x up_e)),
-    e = experts[n, j], as the dense path's;
+Contract of `expert_ffn` (N = B T tokens, D width, E experts, X per token, F an expert's
+width):
+  - x [B, T, D] in the compute dtype; weights [B, T, X] (the routing weights, as moe.route
+    gives them); experts [B, T, X] int32 (distinct per token); gate, up [E, D, F], down
+    [E, F, D] in the compute dtype. Returns [B, T, D] in x's dtype: per token
+    sum_j w_j down_e(silu(x gate_e) * (x up_e)), e = experts[b, t, j], as the dense path's;
   - rounding points as the dense path's: the gate and up products in the compute dtype, the
     SwiGLU activation rounded (fp8 per (token, expert) row with `fp8`), times the routing
     weight before the down projection; the down projection's rows and their sum over a
     token's X experts in float32, rounded once (the dense path rounds the one (E, F)
-    contraction once). In bfloat16 the two paths differ by about one rounding of the output;
+    contraction once). In bfloat16 the two paths differ by at most about one rounding
+    (tests/test_moe_grouped.py);
   - dtypes: the kernel takes float32 and bfloat16; another compute dtype (a float16 sampler)
     runs it in float32 and rounds the output back;
   - rows: N X is zero-padded at the end to a multiple of the row tile, the pad rows counted
@@ -33,13 +35,15 @@ Contract of `expert_ffn` (N tokens, D width, E experts, X per token, F an expert
     and the output one size, the largest of 512, 256, 128 dividing D and F (the backward
     reuses the tiling with the two swapped). On a TPU, D and F must be multiples of 128 (every
     Qwen3-MoE's are: 2048 and 768 in Qwen3-30B-A3B); interpret mode takes any width;
-  - sharding: under a context mesh of more than one device the kernel runs in a shard_map,
-    rows over the data-parallel axes that divide B (as decoder.shard_rows places them), the
-    expert stacks whole on every device (GSPMD gathers them over fsdp, tensor and expert
-    before the call, as FSDP gathers a dense MLP's weights): GSPMD cannot partition a Mosaic
-    call. Expert parallelism inside the kernel path (each rank its own groups, megablox's
-    group_offset, and a sum over `expert`) is not done: with mesh.expert > 1 every rank
-    computes every expert for its rows.
+  - sharding: under a context mesh of more than one device the kernel runs in a shard_map
+    (GSPMD cannot partition a Mosaic call): rows over the data-parallel axes that divide B
+    (as decoder.shard_rows places them). With mesh.expert > 1 (dividing E) each expert rank
+    takes its E / expert experts (their stacks gathered over fsdp and tensor, as FSDP gathers
+    a dense MLP's weights), computes its own groups of every row (megablox's group_offset; the
+    other groups' rows are zeros) and the ranks' float32 outputs are summed over `expert`,
+    then rounded once. `expert` is not a data axis: its ranks hold the same rows, so each
+    routes and sorts them all and holds all [N X, .] rows; no token moves between ranks (no
+    all-to-all).
 
 The kernel only lowers for TPU. `INTERPRET` (False) runs it in Pallas interpret mode on any
 backend instead: the tests set it (monkeypatch) to check its numbers on the CPU; a run never
