@@ -80,8 +80,13 @@ def with_fakes(c, tmp_path):
     return c
 
 
-def preset_of(arg) -> presets.Preset | None:
-    name = (arg or "").partition(",")[2] or (presets.DEFAULT if arg else "")
+def preset_of(arg, mod=None) -> presets.Preset | None:
+    """The preset of `arg` (ARM,PRESET); a bare arm's is presets.DEFAULT, or the first of the
+    file's PRESETS where DEFAULT is not one of them (configs/paper/moe_qwen3_30b_a3b.py)."""
+    default = presets.DEFAULT
+    if default not in getattr(mod, "PRESETS", (default,)):
+        default = mod.PRESETS[0]
+    name = (arg or "").partition(",")[2] or (default if arg else "")
     return presets.PRESETS.get(name)
 
 
@@ -120,10 +125,12 @@ def test_every_config_and_arm_validates_shards_and_fits(path, tmp_path, monkeypa
         c = with_fakes(c, tmp_path)
         if getattr(mod, "WARM", "policy") == "moe":  # its warm start is the embedded MoE
             mini_common.moe_model(c)
-        preset = preset_of(arg)
+        preset = preset_of(arg, mod)
         n = preset.num_devices if preset else jax.device_count()
         with monkeypatch.context() as m:
             m.setattr(jax, "device_count", lambda n=n: n)  # the preset's slice, not this host
+            if preset is not None and preset.topology:  # a TPU's kernels (moe_impl grouped)
+                m.setattr(jax, "default_backend", lambda: "tpu")
             experiment.validate(c)
         check_shardings(c, n)
         if preset is not None:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model_cfg
+from moe_models import np_load_balancing, tiny_moe
 from test_model import TOL, max_diff, random_tokens, torch_logits
 
 from ess_jax.config.presets import KNOWN_MODELS
@@ -148,40 +148,12 @@ def test_fused_expert_tensors_load_as_the_per_expert_ones(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
-def _tiny():
-    """A tiny random MoE (numpy init, every path non-trivial), layer 1 dense."""
-    cfg = tiny_model_cfg(
-        intermediate_size=48,
-        num_layers=3,
-        qk_norm=True,
-        family="qwen3_moe",
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        norm_topk_prob=True,
-        mlp_only_layers=(1,),
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    rng = np.random.default_rng(0)
-
-    def init(path, x):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name:
-            return jnp.asarray(1 + 0.1 * rng.standard_normal(x.shape), jnp.float32)
-        scale = 1.0 if "embed" in name else 3.0 if "router" in name else 1.5
-        fan_in = x.shape[-2] if x.ndim > 2 else x.shape[0]
-        return jnp.asarray(scale * rng.standard_normal(x.shape) / np.sqrt(fan_in), jnp.float32)
-
-    return cfg, jax.tree_util.tree_map_with_path(init, model.abstract_params(cfg))
-
-
 def test_experts_sharded_on_the_expert_axis_equal_unsharded():
     """8 fake devices, mesh data 1 x fsdp 2 x tensor 2 x expert 2: the expert stacks split over
     `expert` (train layout: their D over fsdp too; sample layout: no fsdp), logits equal the
     one-device ones. Catches: rules that leave the experts replicated or put the expert axis on
     the wrong dim, and a combine over experts that is wrong once they are split."""
-    cfg, params = _tiny()
+    cfg, params = tiny_moe()
     mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2, "expert": 2})
     assert mesh.shape == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 2}
     tokens = random_tokens(cfg.vocab_size, b=4, t=8)
@@ -209,7 +181,7 @@ def test_sampler_logp_equals_teacher_forced_rescore():
     alone) records raw log-probs equal to a teacher-forced re-score of the drawn sequences
     (tests/test_sampler.py's exactness check). Catches: a decode step whose routing differs
     from the full forward's (e.g. a combine that mixes tokens of a row)."""
-    cfg, params = _tiny()
+    cfg, params = tiny_moe()
     prompts = np.array([[5, 6, 7, 8], [0, 0, 9, 10]], np.int32)
     pmask = prompts > 0
     sc = sampler.SamplingConfig(max_new_tokens=6, num_samples=4, stop_ids=())
@@ -226,7 +198,7 @@ def test_sampler_formats_quantize_each_expert_per_output_channel():
     """int8 sampler copy: every expert stack as codes with one scale per (expert, output
     channel), the router left unquantized. Catches: expert stacks read with a dense matrix's
     input axes (one scale shared across experts)."""
-    cfg, params = _tiny()
+    cfg, params = tiny_moe()
     mlp = precision.prepare_fn("int8")(params)["layers"][0]["mlp"]
     e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     assert mlp["expert_gate"]["scale"].shape == (e, 1, f)
@@ -238,23 +210,6 @@ def test_sampler_formats_quantize_each_expert_per_output_channel():
     assert np.abs(back - w).max() <= np.asarray(q["scale"]).max() / 2 + 1e-7
 
 
-def _np_load_balancing(logits, top_k, mask=None):
-    """float64 transformers' load_balancing_loss_func: logits [L, N, E], mask [N]."""
-    logits = np.asarray(logits, np.float64)
-    e = logits.shape[-1]
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    w = np.ones(logits.shape[1]) if mask is None else np.asarray(mask, np.float64)
-    counts, probs = np.zeros(e), np.zeros(e)
-    for layer in p:
-        top = np.argsort(-layer, axis=-1, kind="stable")[:, :top_k]
-        for n in range(layer.shape[0]):
-            counts[top[n]] += w[n]
-        probs += (layer * w[:, None]).sum(0)
-    rows = logits.shape[0] * w.sum()
-    return e * np.sum((counts / rows) * (probs / rows))
-
-
 def test_load_balancing_loss_against_float64_and_transformers():
     """Catches: the fractions normalised per layer instead of over all layers' rows, pads
     counted, a top-k count divided by k (HF's sum_e f_e is k), the factor E missing."""
@@ -263,7 +218,7 @@ def test_load_balancing_loss_against_float64_and_transformers():
     mask = np.array([1, 1, 1, 1, 0, 0, 1, 1, 1, 0], np.float32)
     for m in (None, mask):
         got = float(moe.load_balancing_loss(jnp.asarray(logits), 2, m))
-        assert abs(got - _np_load_balancing(logits, 2, m)) <= 1e-5
+        assert abs(got - np_load_balancing(logits, 2, m)) <= 1e-5
     uniform = moe.load_balancing_loss(jnp.zeros((2, 5, 6)), 2)
     assert abs(float(uniform) - 2.0) <= 1e-6  # a uniform router: top_k
     torch = pytest.importorskip("torch")
@@ -319,11 +274,12 @@ def test_mesh_expert_axis():
 
 
 def test_planner_counts_every_local_expert_in_the_feed_forward_activations():
-    """The memory planner's feed-forward width of an MoE model is the dense expert path's:
-    the experts on a device times their width ([B, T, E, F] activations), not the dense
-    intermediate_size. Catches: a planner that sizes Qwen3-30B-A3B's 48 sparse layers by
-    intermediate_size (16x under: it would say a run fits that does not), or one that ignores
-    the expert split over the `expert` mesh axis."""
+    """The memory planner's feed-forward width of an MoE model is its expert path's: the
+    dense path's experts on a device times their width ([B, T, E, F] activations), the
+    grouped path's top-k rows of width F + D per token, not the dense intermediate_size.
+    Catches: a planner that sizes Qwen3-30B-A3B's 48 sparse layers by intermediate_size (16x
+    under: it would say a run fits that does not), one that ignores the expert split over the
+    `expert` mesh axis, and one that sizes the grouped path as the dense one (16x over)."""
     from ess_jax.memory import planner, terms
 
     cfg = weights.config_from_hf(KNOWN_MODELS["Qwen3-30B-A3B"])
@@ -331,6 +287,8 @@ def test_planner_counts_every_local_expert_in_the_feed_forward_activations():
     four = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 4})
     assert terms.ffn_width(cfg, one) == 128 * 768
     assert terms.ffn_width(cfg, four) == 32 * 768
+    grouped = cfg.replace(moe_impl="grouped")  # whole rows on every expert rank
+    assert terms.ffn_width(grouped, one) == terms.ffn_width(grouped, four) == 8 * (768 + 2048)
     dense = cfg.replace(num_experts=0, num_experts_per_tok=0)
     assert terms.ffn_width(dense, one) == cfg.intermediate_size
     acts = terms.train_terms(cfg, one, 1, 1024)["activations"]

@@ -2,7 +2,7 @@
 trainer's replay of it (model/moe.py `route`), and the router's load-balancing loss in the RL
 update (model.moe_aux_loss_coef).
 
-The model is tests/test_moe.py's tiny random Qwen3-MoE (3 layers, layer 1 dense: sparse layers
+The model is tests/moe_models.py's tiny random Qwen3-MoE (3 layers, layer 1 dense: sparse layers
 0 and 2, 8 experts, top-2, peaked routers), float32, so the sampler's and the trainer's routing
 agree and a re-score that replays the recorded routing reproduces the sampler's log-probs to
 float32 noise; a routing replayed at the wrong layer or position changes them by far more."""
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe import _np_load_balancing, _tiny
+from moe_models import np_load_balancing, tiny_moe
 
 from ess_jax.model import decoder as model
 from ess_jax.model import moe, scoring
@@ -27,7 +27,7 @@ PROMPTS = np.array([[5, 6, 7, 8], [0, 0, 9, 10]], np.int32)
 def drawn():
     """(cfg, params, engine, Generation, sampling): 2 prompts x 3 samples of 7 tokens, top-k 20
     at temperature 0.9 (pi_b != the raw softmax), stop id 3 (some rows end early)."""
-    cfg, params = _tiny()
+    cfg, params = tiny_moe()
     sc = sampler.SamplingConfig(
         temperature=0.9, top_k=20, max_new_tokens=7, num_samples=3, stop_ids=(3,)
     )
@@ -102,7 +102,7 @@ def test_replayed_block_against_float64(norm):
     its output against a float64 numpy block, and its reported experts. Catches: the recorded
     experts ignored, the weights read at the own top-k instead of the recorded experts, the
     renormalisation skipped under replay, an unrecorded token not routed by its own top-k."""
-    cfg, params = _tiny()
+    cfg, params = tiny_moe()
     cfg = cfg.replace(norm_topk_prob=norm)
     mlp = params["layers"][0]["mlp"]
     block = model.bind(cfg, params).layers[0].mlp
@@ -200,7 +200,7 @@ def test_router_loss_joins_the_rl_gradient(drawn):
 
     micro = [jax.tree.map(lambda x, i=i: x[i::m], rows) for i in range(m)]
     logits_mask = [jax.jit(mb_router)(params, mb) for mb in micro]
-    ref = np.mean([_np_load_balancing(lg, 2, mk) for lg, mk in logits_mask])
+    ref = np.mean([np_load_balancing(lg, 2, mk) for lg, mk in logits_mask])
     assert abs(float(metrics["router_loss"]) - ref) <= 1e-5
     assert abs(float(loss) - float(loss0) - c * ref) <= 1e-5
 

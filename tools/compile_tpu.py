@@ -20,7 +20,9 @@ temporaries - aliases per device, as the planner counts; `fits` is whether every
 compiled and the largest, with what the run holds beside it (`beside_bytes`), stays within
 presets.MEM_FRACTION of the device's HBM. Times are the compiler's estimates, never
 measurements; flops and bytes count a loop body once (`loop_trips` says how often it runs).
-Large programs take minutes each on two cores (a Qwen3-4B RL step: 5-10).
+Large programs take minutes each on two cores (a Qwen3-4B RL step: 5-10). --layers=N compiles
+(and plans) the model's first N layers only, for a program too large to compile whole here
+(Qwen3-30B-A3B's 48-layer RL step passed 18 GB of host memory while compiling).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import glob
 import json
 import os
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles; nothing runs on a TPU
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,14 +53,41 @@ def preset_of(spec: str) -> presets.Preset | None:
     return presets.PRESETS.get(name)
 
 
-def compile_spec(spec: str, topology: str | None, log=print, only=None) -> dict:
+def sliced(config, layers: int):
+    """`config` with its model cut to its first `layers` layers: model.source becomes a
+    directory holding only that slice's config.json (the checkpoint's, or KNOWN_MODELS' by the
+    directory's name, with num_hidden_layers = `layers`), for a program too large to compile
+    whole on this host. The planner plans the same slice."""
+    source = str(config.model.source).rstrip("/")
+    name = os.path.basename(source)
+    path = os.path.join(source, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            hf = json.load(f)
+    elif name in presets.KNOWN_MODELS:
+        hf = dict(presets.KNOWN_MODELS[name])
+    else:
+        raise UserError(f"--layers: {source!r} has no config.json and is not a known model")
+    hf["num_hidden_layers"] = layers
+    folder = os.path.join(tempfile.gettempdir(), f"compile_tpu_{layers}_layers", name)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f)
+    config.model.source = folder
+    return config
+
+
+def compile_spec(spec: str, topology: str | None, log=print, only=None, layers=None) -> dict:
     """The JSON record of --config=`spec` compiled for `topology` (default: its preset's);
-    `only`: the names of the programs to compile (default: all)."""
+    `only`: the names of the programs to compile (default: all); `layers`: the model's first
+    that many layers only (`sliced`; default: all)."""
     import plan_memory  # tools/plan_memory.py: config loading as the planner does it
 
     from ess_jax.memory import tpu
 
     config, refused = plan_memory.load_planned(spec)
+    if layers:
+        config = sliced(config, layers)
     preset = preset_of(spec)
     topology = topology or (preset.topology if preset else None)
     if topology is None:
@@ -89,6 +119,7 @@ def compile_spec(spec: str, topology: str | None, log=print, only=None) -> dict:
         "peak_bytes": peak,
         # None with --only: the programs left out may be the largest
         "only": list(only) if only else None,
+        "layers": layers,  # None: the whole model
         "fits": None if only else all(r.error is None for r in rows.values()) and peak <= usable,
         "programs": {name: row.to_json() for name, row in rows.items()},
     }
@@ -107,6 +138,8 @@ def replan(record: dict) -> dict:
     from ess_jax.parallel import sharding
 
     config, _ = plan_memory.load_planned(record["config"])
+    if record.get("layers"):
+        config = sliced(config, record["layers"])
     mesh = sharding.make_mesh(dict(config.mesh), tpu.topology_devices(record["topology"]))
     built = {p.name: p for p in programs_lib.run_programs(config, mesh)}
     out = json.loads(json.dumps(record))
@@ -176,6 +209,12 @@ def _estimates(p: dict, per_device: dict) -> tuple[str, str, str]:
     return mfu, floor, ici_s
 
 
+def _config_cell(rec: dict) -> str:
+    """The record's --config, and the layers compiled when not all (--layers)."""
+    layers = rec.get("layers")
+    return f"`{rec['config']}`" + (f" (first {layers} layers)" if layers else "")
+
+
 def markdown_table(records: list[dict]) -> str:
     """One row per compiled program of each record: compiler vs planner bytes, the compiler's
     cost (one loop body) and the estimates drawn from it. Every time is the compiler's
@@ -188,7 +227,7 @@ def markdown_table(records: list[dict]) -> str:
     ]
     for rec in records:
         for name, p in rec["programs"].items():
-            head = f"| `{rec['config']}` | {rec['topology']} | {name} |"
+            head = f"| {_config_cell(rec)} | {rec['topology']} | {name} |"
             if "error" in p:
                 lines.append(f"{head} refused: {p['error'][:120]} |" + " |" * 9)
                 continue
@@ -206,7 +245,7 @@ def markdown_table(records: list[dict]) -> str:
             rec["fits"], "compiled programs only (--only)"
         )
         lines.append(
-            f"| `{rec['config']}` | {rec['topology']} | **peak** | {_gb(rec['peak_bytes'])} of "
+            f"| {_config_cell(rec)} | {rec['topology']} | **peak** | {_gb(rec['peak_bytes'])} of "
             f"{_gb(rec['usable_bytes'])} usable: {verdict} |" + " |" * 9
         )
     return "\n".join(lines)
@@ -226,6 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--topology", help="libtpu topology name, e.g. v5p:2x2x1 (default: preset's)")
     p.add_argument("--json", help="write the record here")
     p.add_argument("--only", help="comma-separated program names (default: every program)")
+    p.add_argument("--layers", type=int, help="the model's first N layers only (default: all)")
     p.add_argument("--markdown", action="store_true", help="the table of results/tpu/*.json")
     p.add_argument(
         "--replan", nargs="+", metavar="JSON",
@@ -255,7 +295,7 @@ def main(argv=None) -> int:
 
         try:
             only = tuple(args.only.split(",")) if args.only else None
-            record = compile_spec(args.config, args.topology, only=only)
+            record = compile_spec(args.config, args.topology, only=only, layers=args.layers)
         except (TopologyError, ValueError) as e:  # a topology, arm or program name
             raise UserError(str(e)) from e
     except UserError as e:

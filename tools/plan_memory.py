@@ -50,6 +50,7 @@ PAPER_EXPERIMENTS = (
     ("E8 dual anchor", "e8_dual_anchor"),
     ("async lag", "async_lag"),
     ("4 updates per batch", "multi_update"),
+    ("MoE Qwen3-30B-A3B", "moe_qwen3_30b_a3b"),
 )
 BEGIN = "<!-- tools/plan_memory.py --markdown: begin -->"
 END = "<!-- tools/plan_memory.py --markdown: end -->"

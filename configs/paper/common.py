@@ -22,6 +22,8 @@ hardware preset (`,8xh100` by default, ess_jax/config/presets.py) or by `,tiny`:
 
 from __future__ import annotations
 
+import math
+
 from configs.mini import common as mini
 from configs.mini.common import OBJECTIVES
 from ess_jax.config import presets
@@ -108,18 +110,19 @@ def base(source: str = QWEN3_4B, max_new_tokens: int = 4096):
     return c
 
 
-def finish(c, preset: str, min_tensor: int = 1):
+def finish(c, preset: str, min_tensor: int = 1, expert: int = 1):
     """Applies the hardware preset (mesh and batching) or the CPU `tiny` shrink, then sizes a
     DAPO arm's overlong buffer from the final max_new_tokens (DAPO_OVERLONG_FRACTION).
     `min_tensor`: tensor parallelism at least this wide (fewer FSDP ranks), for a larger sample
-    layout."""
-    c = _fit(c, preset, min_tensor)
+    layout. `expert`: a mixture of experts' expert ranks, taken from the data ranks, then the
+    FSDP ones, as far as they divide (the sample layout keeps E / expert experts per device)."""
+    c = _fit(c, preset, min_tensor, expert)
     if c.objective.name == "dapo":
         c.rollout.overlong_buffer = max(1, c.rollout.max_new_tokens // DAPO_OVERLONG_FRACTION)
     return c
 
 
-def _fit(c, preset: str, min_tensor: int):
+def _fit(c, preset: str, min_tensor: int, expert: int = 1):
     if preset == "tiny":  # SmolLM2-135M: a real tokenizer (the data is LaTeX), CPU-sized
         c.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
         c.model.source = "smollm2"
@@ -143,6 +146,10 @@ def _fit(c, preset: str, min_tensor: int):
     if c.mesh["tensor"] < min_tensor:
         c.mesh["fsdp"] = c.mesh["fsdp"] * c.mesh["tensor"] // min_tensor
         c.mesh["tensor"] = min_tensor
+    for axis in ("data", "fsdp") if expert > 1 else ():  # from data first, then FSDP
+        moved = math.gcd(c.mesh[axis], expert // c.mesh.get("expert", 1))
+        c.mesh[axis] //= moved
+        c.mesh["expert"] = c.mesh.get("expert", 1) * moved
     # Batching that fits the preset (tools/plan_memory.py): rows per device of a train
     # micro-batch and of a sampler call at 4K new tokens, fewer for longer responses.
     scale = max(1, c.rollout.max_new_tokens // 4096)

@@ -165,6 +165,11 @@ LORA_BASE_PRECISIONS = ("compute", "int8", "int4")
 # every token itself ("none") or replays the experts the sampler recorded ("sampler", R3).
 ROUTING_REPLAYS = ("none", "sampler")
 
+# model.moe_impl (meanings: ess_jax/model/moe.py, grouped.py): the experts of a mixture-of-experts
+# block as dense contractions over every expert ("dense", any backend) or megablox's grouped
+# matmul over each token's top-k ("grouped", a TPU kernel, checked in experiment.validate).
+MOE_IMPLS = ("dense", "grouped")
+
 # train.mode (meanings: ess_jax/rl/actor_learner.py).
 TRAIN_MODES = ("sync", "async")
 

@@ -27,6 +27,7 @@ from ess_jax.config.domains import (
     LR_SCHEDULES,
     MESH_AXIS,
     MODEL_DTYPES,
+    MOE_IMPLS,
     NONNEG,
     POSITIVE,
     PRECISIONS,
@@ -120,6 +121,10 @@ class ModelFields:
     )
     moe_aux_loss_coef: float = knob(
         0.0, NONNEG, "MoE: weight of the router's load-balancing loss in the RL and SFT losses"
+    )
+    # dense (any backend) | grouped (megablox's grouped matmul: TPU; model/grouped.py)
+    moe_impl: str = knob(
+        "dense", Choice(MOE_IMPLS), "MoE: every expert on every token (dense) or each token's top-k"
     )
     # the embedded model only: a char-level Llama-style decoder trained from scratch
     hidden_size: int = knob(64, ints(1), "embedded model: the width D")

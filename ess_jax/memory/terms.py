@@ -190,12 +190,17 @@ def batch_split(n: int, mesh) -> float:
 
 def ffn_width(cfg, mesh) -> int:
     """Per-device feed-forward activations per token of the widest block: a dense MLP's
-    intermediate_size (split over "tensor"), or on a mixture-of-experts model (model/moe.py's
-    dense expert path: every expert on every token, [B, T, E, F] activations) its experts on
-    this device times their width (E over "expert", F over "tensor"), whichever is larger."""
+    intermediate_size (split over "tensor"), or on a mixture-of-experts model whichever is
+    larger of that and its expert path's: the dense path (model/moe.py: every expert on every
+    token, [B, T, E, F] activations) its experts on this device times their width (E over
+    "expert", F over "tensor"); the grouped path (model/grouped.py: each token's X experts,
+    [B T X, F] activations and its [B T X, D] sorted inputs, whole on every expert rank) X
+    times (F + D)."""
     dense = axis_split(cfg.intermediate_size, mesh, "tensor")
     if not any(cfg.is_sparse(i) for i in range(cfg.num_layers)):
         return dense
+    if cfg.moe_impl == "grouped":
+        return max(dense, cfg.num_experts_per_tok * (cfg.moe_intermediate_size + cfg.hidden_size))
     experts = cfg.num_experts
     if "expert" in mesh.shape:
         experts = axis_split(experts, mesh, "expert")

@@ -15,6 +15,7 @@ from ess_jax.config.domains import (
     ATTENTION_IMPLS,
     DECODE_ATTENTIONS,
     LORA_BASE_PRECISIONS,
+    MOE_IMPLS,
     ROUTING_REPLAYS,
 )
 from ess_jax.model import lora
@@ -91,6 +92,9 @@ class ModelConfig:
     # losses (transformers' router_aux_loss_coef)
     routing_replay: str = "none"
     moe_aux_loss_coef: float = 0.0
+    # the experts' computation (moe.py): "dense" (every expert on every token, any backend) or
+    # "grouped" (each token's top-k experts only, megablox's grouped matmul: TPUs; grouped.py)
+    moe_impl: str = "dense"
 
     def __post_init__(self):
         if self.num_experts:
@@ -114,6 +118,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.routing_replay: unknown {self.routing_replay!r}; "
                 f"one of {', '.join(ROUTING_REPLAYS)}"
+            )
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(
+                f"ModelConfig.moe_impl: unknown {self.moe_impl!r}; one of {', '.join(MOE_IMPLS)}"
             )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(

@@ -3,7 +3,8 @@
 Axis alphabet used in names: B batch, T time (query), S cache/key length, D model width,
 H query heads, N kv heads, K head dim, F MLP width, V vocab, L layers.
 
-A block's feed-forward is the dense SwiGLU `MLP`, or in a Qwen3-MoE model's sparse layers
+A block's self-attention is self_attention.py's `Attention`; its feed-forward is the dense
+SwiGLU `MLP`, or in a Qwen3-MoE model's sparse layers
 (`ModelConfig.is_sparse`) moe.py's mixture of experts (param keys `router`, `expert_gate`,
 `expert_up`, `expert_down` in place of `gate`, `up`, `down`).
 
@@ -29,40 +30,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from ess_jax.model import kv_cache, lora, moe, quant, splash
-from ess_jax.model.blockwise_decode import decode_step_attention
+from ess_jax.model import lora, moe, param_init
 from ess_jax.model.config import ModelConfig
-from ess_jax.model.layers import (
-    apply_rope,
-    attention,
-    dense,
-    fused_attention,
-    matmul_input,
-    rms_norm,
-    rope_inv_freq,
-)
+from ess_jax.model.layers import dense, matmul_input, rms_norm
+from ess_jax.model.self_attention import Attention
 from ess_jax.parallel.sharding import BATCH, SAMPLE_RULES, TRAIN_RULES, tree_shardings
 
 Params = dict[str, Any]
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, scale: float) -> nnx.Param:
-    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
-def _matrix(cfg, rngs: nnx.Rngs, name: str, shape: tuple[int, ...], axes: tuple, scale: float):
-    """A block matrix: float32, or its codes and scales with a quantized base (quant.py)."""
-    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return quant.matrix_param(cfg, name, value, axes)
-
-
-def _ones(shape: tuple[int, ...], axes: tuple) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, jnp.float32), out_sharding=axes, eager_sharding=False)
-
-
-def _zeros(shape: tuple[int, ...], axes: tuple) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=axes, eager_sharding=False)
 
 
 def shard_rows(x_BxTxD: jax.Array) -> jax.Array:
@@ -77,105 +51,13 @@ def shard_rows(x_BxTxD: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x_BxTxD, spec)
 
 
-class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, h, n, k = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if h % n:
-            raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={n}")
-        s = 1.0 / math.sqrt(d)
-        self.q = _matrix(cfg, rngs, "q", (d, h, k), ("embed", "heads", "head_dim"), s)
-        self.k = _matrix(cfg, rngs, "k", (d, n, k), ("embed", "kv_heads", "head_dim"), s)
-        self.v = _matrix(cfg, rngs, "v", (d, n, k), ("embed", "kv_heads", "head_dim"), s)
-        o_axes, o_scale = ("heads", "head_dim", "embed"), 1.0 / math.sqrt(h * k)
-        self.o = _matrix(cfg, rngs, "o", (h, k, d), o_axes, o_scale)
-        if cfg.qkv_bias:
-            self.q_bias = _zeros((h, k), ("heads", "head_dim"))
-            self.k_bias = _zeros((n, k), ("kv_heads", "head_dim"))
-            self.v_bias = _zeros((n, k), ("kv_heads", "head_dim"))
-        if cfg.qk_norm:
-            self.q_norm = _ones((k,), ("norm",))
-            self.k_norm = _ones((k,), ("norm",))
-        self.lora = lora.make_adapters(cfg, lora.ATTENTION_TARGETS)
-
-    def __call__(
-        self,
-        cfg,
-        x_BxTxD,
-        positions_BxT,
-        kv_mask_BxS,
-        cache,
-        cache_index,
-        attend_len,
-        lora_keys=None,
-    ):
-        dt = cfg.compute_dtype
-        x_BxTxD = matmul_input(x_BxTxD, cfg.activation_fp8)
-        q = lora.project(cfg, self, "q", x_BxTxD, keys=lora_keys)
-        k = lora.project(cfg, self, "k", x_BxTxD, keys=lora_keys)
-        v = lora.project(cfg, self, "v", x_BxTxD, keys=lora_keys)
-        if cfg.qkv_bias:
-            q, k, v = (
-                q + self.q_bias[...].astype(dt),
-                k + self.k_bias[...].astype(dt),
-                v + self.v_bias[...].astype(dt),
-            )
-        if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling or ()))
-        q, k = apply_rope(q, positions_BxT, inv_freq), apply_rope(k, positions_BxT, inv_freq)
-
-        t = x_BxTxD.shape[1]
-        # Keys/values as [B, N, S, K]: the layout the score einsum reads without a transpose
-        # (the KV cache stores keys as [B, N, K, S] instead: kv_cache).
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        b, _, h, kd = q.shape
-        n = k.shape[1]
-        q = q.reshape(b, t, n, h // n, kd)  # GQA: group query heads by their kv head
-        # static when the queries are key positions offset .. offset + t - 1 (causal blocks)
-        offset = cache_index if isinstance(cache_index, int) else None
-        if cache is None:  # full-sequence forward: keys are this call's tokens
-            k_all, v_all, new_cache, query_idx, offset = k, v, None, jnp.arange(t), 0
-        else:  # write this call's keys into the cache (keys transposed: kv_cache), in place
-            new_cache = kv_cache.write(cache, k, v, cache_index)
-            query_idx = cache_index + jnp.arange(t)
-            if t == 1:  # a decode step
-                out = decode_step_attention(
-                    cfg, q[:, 0], new_cache, kv_mask_BxS, query_idx[0], attend_len
-                )
-                out = matmul_input(out.reshape(b, 1, h, kd), cfg.activation_fp8, 2)
-                return lora.project(cfg, self, "o", out, n_in=2), new_cache
-            k_all, v_all = kv_cache.read(new_cache, dt)
-            if attend_len is not None:  # attend over the filled prefix of the cache only
-                k_all, v_all = k_all[..., :attend_len], v_all[:, :, :attend_len]
-                kv_mask_BxS = kv_mask_BxS[:, :attend_len]
-            k_all = k_all.transpose(0, 1, 3, 2)  # several queries (the prefill): [B, N, S, K]
-
-        if cfg.attention_impl == "splash" and cache is None and t > 1 and splash.takes(dt):
-            # the trainer's and the scorer's forwards (queries = keys 0 .. t - 1); the
-            # sampler's prefill keeps the einsum path. Segments: pads 0, real tokens 1
-            out = splash.splash_attention(q, k_all, v_all, kv_mask_BxS.astype(jnp.int32))
-        elif t > 1 and (
-            cfg.attention_impl == "xla"
-            # the cuDNN path is bfloat16 only: float32 forwards (a float32 sampler) use einsum
-            or (cfg.attention_impl == "cudnn" and dt == jnp.bfloat16)
-        ):
-            causal = offset == 0 and t == k_all.shape[2]  # queries = key positions 0 .. t - 1
-            out = fused_attention(
-                q, k_all, v_all, kv_mask_BxS, query_idx, cfg.attention_impl, causal
-            )
-        else:
-            out = attention(q, k_all, v_all, kv_mask_BxS, query_idx, cfg.logits_chunk, offset)
-        out = matmul_input(out.reshape(b, t, h, kd), cfg.activation_fp8, 2)
-        return lora.project(cfg, self, "o", out, n_in=2, keys=lora_keys), new_cache
-
-
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate = _matrix(cfg, rngs, "gate", (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
-        self.up = _matrix(cfg, rngs, "up", (d, f), ("embed", "mlp"), 1.0 / math.sqrt(d))
-        self.down = _matrix(cfg, rngs, "down", (f, d), ("mlp", "embed"), 1.0 / math.sqrt(f))
+        in_axes, out_axes = ("embed", "mlp"), ("mlp", "embed")
+        self.gate = param_init.matrix(cfg, rngs, "gate", (d, f), in_axes, 1.0 / math.sqrt(d))
+        self.up = param_init.matrix(cfg, rngs, "up", (d, f), in_axes, 1.0 / math.sqrt(d))
+        self.down = param_init.matrix(cfg, rngs, "down", (f, d), out_axes, 1.0 / math.sqrt(f))
         self.lora = lora.make_adapters(cfg, lora.MLP_TARGETS)
 
     def __call__(self, cfg, x_BxTxD, lora_keys=None):
@@ -188,9 +70,9 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
-        self.attn_norm = _ones((cfg.hidden_size,), ("norm",))
+        self.attn_norm = param_init.ones((cfg.hidden_size,), ("norm",))
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = _ones((cfg.hidden_size,), ("norm",))
+        self.mlp_norm = param_init.ones((cfg.hidden_size,), ("norm",))
         self.mlp = moe.MoE(cfg, rngs=rngs) if cfg.is_sparse(layer) else MLP(cfg, rngs=rngs)
 
     def __call__(
@@ -231,16 +113,16 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         # 1/sqrt(D): with tied embeddings the initial logits are O(1), not O(sqrt(D)) (a
         # near-deterministic random policy would give RL no exploration and ratios of 1)
-        self.embed = _param(
+        self.embed = param_init.normal(
             rngs,
             (cfg.vocab_size, cfg.hidden_size),
             ("vocab", "embed"),
             1.0 / math.sqrt(cfg.hidden_size),
         )
         self.layers = nnx.List([Block(cfg, rngs=rngs, layer=i) for i in range(cfg.num_layers)])
-        self.final_norm = _ones((cfg.hidden_size,), ("norm",))
+        self.final_norm = param_init.ones((cfg.hidden_size,), ("norm",))
         if not cfg.tie_embeddings:
-            self.lm_head = _param(
+            self.lm_head = param_init.normal(
                 rngs,
                 (cfg.hidden_size, cfg.vocab_size),
                 ("embed", "vocab"),

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ess_jax.model import grouped, param_init
 from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import dense, matmul_input
 
@@ -82,11 +83,6 @@ def routing_shape(cfg: ModelConfig) -> tuple[int, int]:
     """(Ls, X): a token's recorded routing, its top-k experts in each sparse layer; (0, 0) for
     a dense model."""
     return len(sparse_layers(cfg)), cfg.num_experts_per_tok if cfg.num_experts else 0
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple, scale: float) -> nnx.Param:
-    value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 def route(
@@ -128,11 +124,11 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         # the router is small ([D, E]) and every rank needs all of it: not split over experts
-        self.router = _normal(rngs, (d, e), ("embed", None), 1.0 / math.sqrt(d))
+        self.router = param_init.normal(rngs, (d, e), ("embed", None), 1.0 / math.sqrt(d))
         in_axes, out_axes = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
-        self.expert_gate = _normal(rngs, (e, d, f), in_axes, 1.0 / math.sqrt(d))
-        self.expert_up = _normal(rngs, (e, d, f), in_axes, 1.0 / math.sqrt(d))
-        self.expert_down = _normal(rngs, (e, f, d), out_axes, 1.0 / math.sqrt(f))
+        self.expert_gate = param_init.normal(rngs, (e, d, f), in_axes, 1.0 / math.sqrt(d))
+        self.expert_up = param_init.normal(rngs, (e, d, f), in_axes, 1.0 / math.sqrt(d))
+        self.expert_down = param_init.normal(rngs, (e, f, d), out_axes, 1.0 / math.sqrt(f))
 
     def router_logits(self, cfg, x_BxTxD: jax.Array) -> jax.Array:
         """[B, T, E] in the compute dtype, of the block's normed input x."""
@@ -149,6 +145,11 @@ class MoE(nnx.Module):
         x_BxTxD = matmul_input(x_BxTxD, cfg.activation_fp8)  # rounded once, for every matmul
         logits_BxTxE = self._logits(cfg, x_BxTxD)
         weights, experts = route(cfg, logits_BxTxE, replay_BxTxX)
+        stacks = (self.expert_gate[...], self.expert_up[...], self.expert_down[...])
+        if cfg.moe_impl == "grouped":  # each token's X experts only (grouped.py)
+            stacks = tuple(w.astype(dt) for w in stacks)
+            out = grouped.expert_ffn(x_BxTxD, weights, experts, *stacks, cfg.activation_fp8)
+            return out, (experts, logits_BxTxE)
         c_BxTxE = combine_matrix(weights, experts, cfg.num_experts)
         g = jnp.einsum("btd,edf->btef", x_BxTxD, self.expert_gate[...].astype(dt))
         u = jnp.einsum("btd,edf->btef", x_BxTxD, self.expert_up[...].astype(dt))

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from ess_jax.model.mosaic import under_precision
 from ess_jax.parallel.sharding import BATCH
 
 # Pallas interpret mode instead of the TPU kernel; tests only (module docstring).
@@ -107,33 +108,6 @@ def _shard_specs(b: int, n: int):
     return rows, heads
 
 
-def _under_precision(kernel, precision):
-    """`kernel`(q, k, v, segment_ids) with its forward and its backward traced under
-    jax.default_matmul_precision(precision) (None: unchanged). bfloat16 products accumulate
-    exactly in float32 at any precision, but Mosaic refuses a bfloat16 product at "highest"
-    ("Bad lhs type"), which jax_default_matmul_precision may ask for (the tests do). The
-    backward kernels are traced when the gradient is, outside any context around the
-    forward call: hence the custom_vjp."""
-    if precision is None:
-        return kernel
-
-    @jax.custom_vjp
-    def run(q, k, v, seg):
-        with jax.default_matmul_precision(precision):
-            return kernel(q, k, v, seg)
-
-    def fwd(q, k, v, seg):
-        with jax.default_matmul_precision(precision):
-            return jax.vjp(lambda q, k, v: kernel(q, k, v, seg), q, k, v)
-
-    def bwd(vjp, g):
-        with jax.default_matmul_precision(precision):
-            return (*vjp(g), None)
-
-    run.defvjp(fwd, bwd)
-    return run
-
-
 def splash_attention(q_BxTxNxGxK, k_BxNxTxK, v_BxNxTxK, segment_ids_BxT, interpret=None):
     """Causal attention within segments through the splash kernel (module docstring: the
     contract). `interpret` None reads INTERPRET."""
@@ -145,14 +119,14 @@ def splash_attention(q_BxTxNxGxK, k_BxNxTxK, v_BxNxTxK, segment_ids_BxT, interpr
     q = q.transpose(0, 2, 3, 1, 4).reshape(b, n * g, t, kd)  # head n * g + j
     k, v = k_BxNxTxK.astype(dt), v_BxNxTxK.astype(dt)
     seg = segment_ids_BxT.astype(jnp.int32)
-    precision = "default" if dt == jnp.bfloat16 else None  # _under_precision
+    precision = "default" if dt == jnp.bfloat16 else None  # mosaic.under_precision
     if tp != t:
         q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, tp - t), (0, 0))) for x in (q, k, v))
         seg = jnp.pad(seg, ((0, 0), (0, tp - t)), constant_values=PAD_SEGMENT)
 
     def attend(q, k, v, seg):  # one device's rows and heads
         kernel = jax.vmap(_kernel(q.shape[1], tp, interpret))
-        return _under_precision(kernel, precision)(q, k, v, seg)
+        return under_precision(kernel, precision, 3)(q, k, v, seg)
 
     specs = _shard_specs(b, n)
     if specs is not None:

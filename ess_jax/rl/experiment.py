@@ -67,6 +67,12 @@ def validate(config) -> None:
             f"'splash' runs on TPUs only; this run's backend is "
             f"{jax.default_backend()!r} (use 'einsum')",
         )
+    if config.model.get("moe_impl") == "grouped" and jax.default_backend() != "tpu":
+        fail(
+            "model.moe_impl",
+            f"'grouped' runs on TPUs only; this run's backend is "
+            f"{jax.default_backend()!r} (use 'dense')",
+        )
     if config.task.name not in SYNTHETIC_TASKS + LOCAL_DATASETS:
         fail(
             "task.name",
@@ -134,6 +140,9 @@ def _check_experts(config) -> None:
     if not experts and config.model.get("routing_replay", "none") != "none":
         fail("model.routing_replay", f"{config.model.source!r} is a dense model (no experts "
              "to route); use none")  # fmt: skip
+    if not experts and config.model.get("moe_impl", "dense") != "dense":
+        fail("model.moe_impl", f"{config.model.source!r} is a dense model (no experts "
+             "to group); use dense")  # fmt: skip
     aux = float(config.model.get("moe_aux_loss_coef", 0.0))
     if not experts and aux:
         fail("model.moe_aux_loss_coef", f"{config.model.source!r} is a dense model (no "
@@ -179,6 +188,7 @@ def trainer_settings(mcfg) -> dict[str, Any]:
         "decode_block": int(mcfg.get("decode_block", 256)),
         "routing_replay": str(mcfg.get("routing_replay", "none")),
         "moe_aux_loss_coef": float(mcfg.get("moe_aux_loss_coef", 0.0)),
+        "moe_impl": str(mcfg.get("moe_impl", "dense")),
     }
 
 

@@ -1,0 +1,44 @@
+"""Beyond the paper: the paper's setup (configs/paper/common.py: DeepScaleR, 4K new tokens, bf16
+training and sampler, 256 prompts x 4 samples per step) on the mixture-of-experts
+Qwen3-30B-A3B (48 layers, 128 experts, 8 per token; ess_jax/config/presets.py KNOWN_MODELS),
+with and without routing replay, on a v5p pod (v5p-64, this file's default preset: the one
+the memory planner says it fits).
+
+    .venv/bin/python -m ess_jax.main --config=configs/paper/moe_qwen3_30b_a3b.py:p3o \
+        --config.model.source=/path/to/Qwen3-30B-A3B \
+        --config.task.manual_dir=/path/to/deepscaler --workdir=runs/paper/moe/p3o
+
+Arms: `p3o` (the trainer routes every token itself) and `p3o+replay` (it replays the experts
+the sampler recorded: model.routing_replay sampler). On a TPU preset the experts run through
+megablox's grouped matmul (model.moe_impl grouped: each token's 8 experts, not all 128;
+model/grouped.py) and split over 8 expert ranks taken from the preset's data ranks
+(common.finish `expert`; v5p-64: fsdp 4 x expert 8): the sample layout holds 16 of each
+layer's 128 experts per device.
+`,tiny` is the CPU smoke run of every paper file (SmolLM2-135M, a dense model: no experts, no
+replay). Compiled for v5p-64 with tools/compile_tpu.py, its first 2 and 4 layers only
+(results/tpu/): the compiler's temporaries grow by 3.3 GB per layer, the planner's by 0.86, so
+the planner's fit is not validated (docs/memory.md, "Mixture of experts").
+Unknown: everything a run would measure; this file is the shape of the run.
+"""
+
+from configs.paper import common
+
+ARMS = ("p3o", "p3o+replay")
+PRESETS = ("v5p-64",)  # tools/plan_memory.py; the default here (not 8xh100: 2x over)
+QWEN3_30B_A3B = "/path/to/Qwen3-30B-A3B"
+EXPERT_RANKS = 8
+
+
+def get_config(arg: str | None = None):
+    if arg and "," not in arg:
+        arg = f"{arg},{PRESETS[0]}"
+    arm, preset = common.parse(arg, ARMS, PRESETS)
+    objective, _, replay = arm.partition("+")
+    c = common.with_objective(common.base(source=QWEN3_30B_A3B), objective)
+    c = common.finish(c, preset, expert=EXPERT_RANKS)
+    if preset == "tiny":  # SmolLM2: dense
+        return c
+    c.model.routing_replay = "sampler" if replay else "none"
+    if preset.startswith("v"):  # a TPU slice: megablox (GPUs: the dense expert path)
+        c.model.moe_impl = "grouped"
+    return c
