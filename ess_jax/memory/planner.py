@@ -144,7 +144,10 @@ def sampler_phase(
     held-out eval): its weights, KV cache and temporaries. `merged` (LoRA): one program merges
     base + adapters straight into the sampler's format and layout (lora_policy.merged; its
     temporaries, at most one float32 matrix in XLA's count, are gone before the KV cache
-    exists). Else sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params."""
+    exists). Else sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params:
+    `sampler.prepare` rebinds its params to the cast copy, so a gather cast to another format
+    is freed before the KV cache exists, and the phase is max(gather + copy, copy + KV cache +
+    temporaries); float32 samples from the gather itself, held throughout."""
     from ess_jax.sampling.precision import sample_config
 
     args = (sample_config(cfg, precision), mesh, prompts, samples, prompt_len, new_tokens,
@@ -163,11 +166,15 @@ def sampler_phase(
     else:
         gathered = param_bytes(cfg, mesh, "sample") if mesh.shape["fsdp"] > 1 else 0.0
         weights = {"sample-layout params (f32)": gathered, f"sampler copy ({precision})": copy}
-    return {
-        **weights,
+    decoding = {
         "kv_cache": terms["kv_cache"],
         "sampler_tmp": max(terms["prefill"], terms["decode"]),
     }
+    if not merged and precision != "float32" and weights["sample-layout params (f32)"]:
+        # the gather lives only while prepare casts it: counted where it exceeds decoding's
+        gathered = weights.pop("sample-layout params (f32)")
+        weights["f32 gather over kv+tmp"] = max(0.0, gathered - sum(decoding.values()))
+    return {**weights, **decoding}
 
 
 def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Plan:
@@ -242,7 +249,9 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
             policy_cfg, amesh, bool(rank), precision, e.batch_size, e.k, prompt_len,
             e.max_new_tokens, e.get("kv_cache_precision", "compute"), tpu,
         )  # fmt: skip
-    if tpu and not rank:  # the TPU compiler's train -> sample move (tpu_terms.reshard_buffers)
+    # the TPU compiler's train -> sample move (tpu_terms.reshard_buffers); the two layouts
+    # differ in the FSDP sharding only, so with fsdp 1 nothing moves (sampler.sample_layout)
+    if tpu and not rank and amesh.shape["fsdp"] > 1:
         phases["reshard"] = {
             "sample-layout params (f32)": param_bytes(policy_cfg, amesh, "sample"),
             "reshard all-gather buffers": tpu_terms.reshard_buffers(policy_cfg, amesh),
