@@ -127,6 +127,11 @@ class Plan:
             f"{self.usable / GB:.1f} GB usable ({memory_fraction(self.device):.0%} of "
             f"{HBM[self.device] / GB:.0f} GB): {verdict}"
         )
+        if tpu_terms.is_tpu(self.device) and self.device not in tpu_terms.FITTED:
+            out.append(
+                f"extrapolated: the TPU terms are fitted on {' and '.join(tpu_terms.FITTED)} "
+                f"compiles, not {self.device} (docs/memory.md#tpu)"
+            )
         return out
 
 
