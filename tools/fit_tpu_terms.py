@@ -107,7 +107,10 @@ def error(row, coef: dict) -> float:
     return (args + sum(coef[k] * bases[k] for k in TERMS) - comp) / comp
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     rows = read_rows()
     used = [r for r in rows if r[1] == "fit"]
     coef = fit(used)
