@@ -274,3 +274,30 @@ def test_tpu_plan_has_the_compilers_terms():
     assert tpu.phases["reshard"]["reshard all-gather buffers"] == sample
     small = planner.model_config(base_config().model)  # the embedded model: a few MB
     assert tpu_terms.reshard_buffers(small, planner.abstract_mesh({"fsdp": 4})) == 0.0
+
+
+def test_sample_phase_frees_the_gather_and_fsdp_1_moves_nothing():
+    """Catches a sample phase that counts the float32 sample-layout gather beside the KV cache
+    and decode temporaries (sampler.prepare rebinds its params to the cast copy, so the gather
+    is gone before decoding: E3 on v5p-8 planned at 50.1 GB, not the record's 24.1 GB copy
+    program + the train state), a reshard phase on a mesh without FSDP (tensor 4 on v4-8: the
+    layouts are the same, nothing moves), and a plan on a TPU generation outside the fit that
+    does not say it is extrapolated."""
+    from configs.paper import e3_temperature_1p2
+    from ess_jax.memory import planner
+
+    plan = planner.plan(e3_temperature_1p2.get_config("p3o,v5p-8"), 4, "v5p")
+    sample = plan.phases["sample"]
+    gather = planner.param_bytes(
+        planner.model_config(e3_temperature_1p2.get_config("p3o,v5p-8").model),
+        planner.abstract_mesh(plan.mesh),
+        "sample",
+    )
+    copy, decoding = sample["sampler copy (bfloat16)"], sample["kv_cache"] + sample["sampler_tmp"]
+    assert sum(sample.values()) == pytest.approx(copy + max(gather, decoding))
+    assert gather > decoding  # E3: the cast is the sample phase's peak
+    assert plan.peak_phase == "reshard" and plan.peak == pytest.approx(44.25e9, rel=1e-3)
+    v4 = planner.plan(e3_temperature_1p2.get_config("p3o,v4-8"), 4, "v4")
+    assert v4.mesh["fsdp"] == 1 and "reshard" not in v4.phases
+    assert v4.lines()[-1].startswith("extrapolated:")
+    assert not plan.lines()[-1].startswith("extrapolated:")
