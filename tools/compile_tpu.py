@@ -127,7 +127,7 @@ def compile_spec(spec: str, topology: str | None, log=print, only=None, layers=N
 
 def replan(record: dict) -> dict:
     """`record` with its planner-side fields (each program's planner_bytes, beside_bytes and
-    loop_trips, the peak and `fits`, the per-device chip figures) recomputed by today's planner and
+    loop_trips, the peak and `fits`, the per-device chip figures) recomputed by the planner and
     programs.py, the compiler's figures kept: a planner change re-reads the committed compiles
     without recompiling them (minutes each). Builds the programs on the record's topology,
     compiles nothing."""
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", action="store_true", help="the table of results/tpu/*.json")
     p.add_argument(
         "--replan", nargs="+", metavar="JSON",
-        help="recompute these records' planner-side fields with today's planner (no compile)",
+        help="recompute these records' planner-side fields with the planner (no compile)",
     )  # fmt: skip
     p.add_argument("--write", help="with --markdown: replace the table in this file")
     args = p.parse_args(argv)

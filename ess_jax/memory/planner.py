@@ -14,8 +14,9 @@ XLA's for the train step and the sampler on 1 and 8 devices, on shapes not used 
 On a TPU device (a key of presets.CHIPS) the transients are the TPU compiler's
 (tpu_terms.py: the train step as the compiler realises remat, decode segments at their own
 cache bound with the weight copies it hoists, and a reshard phase with its second copy of the
-sample-layout params), within 6% of libtpu's memory_analysis on every program of the committed
-records (results/tpu/*.json, tests/test_compile_tpu.py).
+sample-layout params), within 5% of libtpu's memory_analysis on every program of the committed
+records (results/tpu/*.json, tests/test_compile_tpu.py), in sample: the coefficients are fitted
+on v5e and v5p (tools/fit_tpu_terms.py), extrapolated on v4, v6e and tpu7x.
 objective.kl_estimator "full" adds its re-score's logits to the train step (and, with lag 0
 and several updates per batch, the copy of the params it re-scores with).
 
@@ -127,6 +128,11 @@ class Plan:
             f"{self.usable / GB:.1f} GB usable ({memory_fraction(self.device):.0%} of "
             f"{HBM[self.device] / GB:.0f} GB): {verdict}"
         )
+        if tpu_terms.is_tpu(self.device) and self.device not in tpu_terms.FITTED:
+            out.append(
+                f"extrapolated: the TPU terms are fitted on {' and '.join(tpu_terms.FITTED)} "
+                f"compiles, not {self.device} (docs/memory.md#tpu)"
+            )
         return out
 
 
@@ -144,7 +150,10 @@ def sampler_phase(
     held-out eval): its weights, KV cache and temporaries. `merged` (LoRA): one program merges
     base + adapters straight into the sampler's format and layout (lora_policy.merged; its
     temporaries, at most one float32 matrix in XLA's count, are gone before the KV cache
-    exists). Else sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params."""
+    exists). Else sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params:
+    `sampler.prepare` rebinds its params to the cast copy, so a gather cast to another format
+    is freed before the KV cache exists, and the phase is max(gather + copy, copy + KV cache +
+    temporaries); float32 samples from the gather itself, held throughout."""
     from ess_jax.sampling.precision import sample_config
 
     args = (sample_config(cfg, precision), mesh, prompts, samples, prompt_len, new_tokens,
@@ -163,11 +172,15 @@ def sampler_phase(
     else:
         gathered = param_bytes(cfg, mesh, "sample") if mesh.shape["fsdp"] > 1 else 0.0
         weights = {"sample-layout params (f32)": gathered, f"sampler copy ({precision})": copy}
-    return {
-        **weights,
+    decoding = {
         "kv_cache": terms["kv_cache"],
         "sampler_tmp": max(terms["prefill"], terms["decode"]),
     }
+    if not merged and precision != "float32" and weights["sample-layout params (f32)"]:
+        # the gather lives only while prepare casts it: counted where it exceeds decoding's
+        gathered = weights.pop("sample-layout params (f32)")
+        weights["f32 gather over kv+tmp"] = max(0.0, gathered - sum(decoding.values()))
+    return {**weights, **decoding}
 
 
 def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Plan:
@@ -242,7 +255,9 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
             policy_cfg, amesh, bool(rank), precision, e.batch_size, e.k, prompt_len,
             e.max_new_tokens, e.get("kv_cache_precision", "compute"), tpu,
         )  # fmt: skip
-    if tpu and not rank:  # the TPU compiler's train -> sample move (tpu_terms.reshard_buffers)
+    # the TPU compiler's train -> sample move (tpu_terms.reshard_buffers); the two layouts
+    # differ in the FSDP sharding only, so with fsdp 1 nothing moves (sampler.sample_layout)
+    if tpu and not rank and amesh.shape["fsdp"] > 1:
         phases["reshard"] = {
             "sample-layout params (f32)": param_bytes(policy_cfg, amesh, "sample"),
             "reshard all-gather buffers": tpu_terms.reshard_buffers(policy_cfg, amesh),

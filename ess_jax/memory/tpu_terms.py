@@ -30,18 +30,22 @@ from ess_jax.model import layers
 from ess_jax.sampling.decode import decode_bounds
 
 # The TPU compiler's bytes per unit of each term (module docstring), fitted to libtpu 0.0.42.1's
-# memory_analysis on v5e and v5p topologies.
+# memory_analysis on v5e and v5p topologies only: on v4, v6e and tpu7x they are extrapolated.
 TPU_COEF = {
-    # train step (model.remat): a least-squares fit over 8 compiles (docs/memory.md)
-    "update": 3.36,  # x params shard: gradient accumulator, a micro-batch's gradient, AdamW's
-    "stash": 1.74,  # x L r T D b: every layer's block input, and the buffers of its gradient
-    "embedding": 1.66,  # x the embedding's float32 bytes (tensor-split): gathered copy, gradient
-    "logits": 2.38,  # x r C V 4: an LM-head chunk's float32 logits and their gradient
-    # sampler
+    # train step (model.remat): tools/fit_tpu_terms.py's least-squares fit over the 8 "fit"
+    # RL steps of results/tpu/ and results/tpu_fit/, rounded to 2 decimals
+    "update": 2.75,  # x params shard: gradient accumulator, a micro-batch's gradient, AdamW's
+    "stash": 1.78,  # x L r T D b: every layer's block input, and the buffers of its gradient
+    "embedding": 2.90,  # x the embedding's float32 bytes (tensor-split): gathered copy, gradient
+    "logits": 2.53,  # x r C V 4: an LM-head chunk's float32 logits and their gradient
+    # sampler: fitted by hand to the E3 v5p-8 record's sampler programs (their errors there
+    # are in sample)
     "prefill_attn": 0.6,  # x uniq KV P C 4: the prefill's float32 attention scores
     "prefill_mlp": 2.3,  # x uniq P F b: the prefill's feed-forward activations
     "draw": 3.0,  # x rows V 4: one token's float32 logits and draw
 }
+# The TPU generations of the compiles TPU_COEF is fitted to; on the others it is extrapolated.
+FITTED = ("v5e", "v5p")
 # Memory that memory_analysis does not count (the cores' VMEM): a reshard of fewer bytes than
 # this gathers into it (a 65 MB model: no temporaries), a larger one into HBM (Qwen3-4B).
 VMEM_BYTES = 128 * 2**20

@@ -1,0 +1,142 @@
+"""Fits the train step's coefficients of ess_jax/memory/tpu_terms.py (TPU_COEF's update, stash,
+embedding, logits) to the TPU compiler's RL steps, and prints them with each compile's error
+in sample and left out of the fit:
+
+    .venv/bin/python tools/fit_tpu_terms.py
+
+Reads the `rl_step` of every dense model's record in results/tpu/ (paper configs,
+tools/compile_tpu.py; the mixture-of-experts records are left out) and
+results/tpu_fit/ (smaller models: `model` is the config.json over `model_base`, `config` the
+dotted settings over config/defaults.py's base_config; `role` "fit" or "held-out"). Per compile,
+each term's basis is the planner's train-step term (planner.plan on the record's device and
+device count) over its coefficient, and the target the compiler's bytes less the step's
+arguments (its outputs alias them): the bytes the terms stand for. A least-squares fit weighted
+by 1 / target (relative errors) over the "fit" compiles; a held-out compile is not fitted.
+Errors are (arguments + the terms at the coefficients - compiler) / compiler. Plans only,
+compiles nothing (seconds).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "tools")):
+    if path not in sys.path:  # config files import configs.*; plan_memory is a tool
+        sys.path.insert(0, path)
+
+import numpy as np  # noqa: E402
+
+from ess_jax.config.defaults import base_config  # noqa: E402
+from ess_jax.config.presets import KNOWN_MODELS  # noqa: E402
+from ess_jax.memory import planner, tpu_terms  # noqa: E402
+
+# TPU_COEF's key -> the name of its term in the planner's train-step phase
+TERMS = {
+    "update": "update",
+    "stash": "activations (remat: block inputs)",
+    "embedding": "embedding (gathered, its gradient)",
+    "logits": "logits",
+}
+
+
+def record_config(record: dict, folder: str):
+    """The config of `record`: its --config spec (results/tpu), or base_config with its dotted
+    settings and its model's config.json written to `folder` (results/tpu_fit)."""
+    if "model" not in record:
+        import plan_memory
+
+        return plan_memory.load_planned(record["config"])[0]
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**KNOWN_MODELS[record["model_base"]], **record["model"]}, f)
+    c = base_config()
+    c.model.source = folder
+    for key, value in record["config"].items():
+        *parents, leaf = key.split(".")
+        node = c
+        for p in parents:
+            node = node[p]
+        node[leaf] = tuple(value) if isinstance(value, list) else value
+    return c
+
+
+def step_row(record: dict) -> tuple[dict, float, float] | None:
+    """(bases, target, arguments) of `record`'s RL step, per device (module docstring); None
+    for a mixture-of-experts model: the terms are a dense model's (docs/memory.md states the
+    planner's miss on the Qwen3-30B-A3B records)."""
+    device = record["topology"].split(":")[0]  # v5e:2x4 -> v5e, a key of presets.HBM
+    with tempfile.TemporaryDirectory() as folder:
+        config = record_config(record, folder)
+        cfg = planner.model_config(config.model)
+        if any(cfg.is_sparse(i) for i in range(cfg.num_layers)):
+            return None
+        plan = planner.plan(config, record["devices"], device)
+    terms = plan.phases["train step"]
+    bases = {k: terms[name] / tpu_terms.TPU_COEF[k] for k, name in TERMS.items()}
+    step = record["programs"]["rl_step"]
+    arguments = step["memory"]["argument"]
+    return bases, step["compiler_bytes"] - arguments, arguments
+
+
+def read_rows(root: str = ROOT) -> list[tuple[str, str, dict, float, float, float]]:
+    """(name, role, bases, target, arguments, compiler bytes) of every committed RL step."""
+    rows = []
+    for folder in ("tpu", "tpu_fit"):
+        for path in sorted(glob.glob(os.path.join(root, "results", folder, "*.json"))):
+            with open(path) as f:
+                record = json.load(f)
+            if "rl_step" not in record["programs"]:
+                continue
+            row = step_row(record)
+            if row is None:
+                continue
+            bases, target, args = row
+            name = os.path.relpath(path, os.path.join(root, "results"))
+            comp = record["programs"]["rl_step"]["compiler_bytes"]
+            rows.append((name, record.get("role", "fit"), bases, target, args, comp))
+    return rows
+
+
+def fit(rows) -> dict[str, float]:
+    """Least squares of the targets over the bases, weighted by 1 / target."""
+    a = np.array([[b[k] for k in TERMS] for _, _, b, t, _, _ in rows]) / np.array(
+        [[t] for *_, t, _, _ in rows]
+    )
+    x = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)[0]
+    return dict(zip(TERMS, x.tolist()))
+
+
+def error(row, coef: dict) -> float:
+    """The planned step's error against the compiler's bytes, at `coef`."""
+    _, _, bases, _, args, comp = row
+    return (args + sum(coef[k] * bases[k] for k in TERMS) - comp) / comp
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    rows = read_rows()
+    used = [r for r in rows if r[1] == "fit"]
+    coef = fit(used)
+    print(f"coefficients over {len(used)} compiles (TPU_COEF in tpu_terms.py):")
+    for k, v in coef.items():
+        print(f"  {k:<10} {v:5.2f}   TPU_COEF {tpu_terms.TPU_COEF[k]:.2f}")
+    print(f"{'compile':<58} {'GB':>6} {'in fit':>7} {'left out':>9}")
+    for row in rows:
+        gb = row[5] / 1e9
+        if row[1] == "fit":
+            out = error(row, fit([r for r in used if r is not row]))
+            print(f"{row[0]:<58} {gb:6.2f} {error(row, coef):+7.1%} {out:+9.1%}")
+        else:  # held out: the fit never saw it
+            print(f"{row[0]:<58} {gb:6.2f} {'':>7} {error(row, coef):+9.1%}  (held out)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
