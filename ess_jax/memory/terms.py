@@ -257,6 +257,15 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     return terms
 
 
+def prefill_query_chunk(cfg, prompt_len: int) -> int:
+    """The queries the prefill's attention scores at once: model.logits_chunk when it splits
+    the prompt, else the largest of layers.causal_blocks' query blocks."""
+    c = cfg.logits_chunk
+    if not 0 < c < prompt_len:
+        c = max(z - a for a, z, _ in layers.causal_blocks(prompt_len))
+    return c
+
+
 def sampler_terms(
     cfg,
     mesh,
@@ -282,9 +291,7 @@ def sampler_terms(
     per_pos = 2 * cfg.num_layers * n_kv * cfg.head_dim * b  # K and V of every layer
     per_row = per_pos * s
     prefill_row = per_pos * (prompt_len + decode_bounds(new_tokens)[0])
-    c = cfg.logits_chunk  # queries per chunk, or of the largest causal block
-    if not 0 < c < prompt_len:
-        c = max(z - a for a, z, _ in layers.causal_blocks(prompt_len))
+    c = prefill_query_chunk(cfg, prompt_len)
     k = COEF
     draw = k["draw"] * rows * cfg.vocab_size * 4  # float32 logits, noise, log-softmax ...
     shared = draw

@@ -26,7 +26,6 @@ import numpy as np
 
 from ess_jax.config.presets import CHIPS
 from ess_jax.memory import terms
-from ess_jax.model import layers
 from ess_jax.sampling.decode import decode_bounds
 
 # The TPU compiler's bytes per unit of each term (module docstring), fitted to libtpu 0.0.42.1's
@@ -104,9 +103,7 @@ def sampler_terms(
     n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
     f = terms.ffn_width(cfg, mesh)
     v = cfg.vocab_size
-    c = cfg.logits_chunk
-    if not 0 < c < prompt_len:
-        c = max(z - a for a, z, _ in layers.causal_blocks(prompt_len))
+    c = terms.prefill_query_chunk(cfg, prompt_len)
     k = TPU_COEF
     b = np.dtype(cfg.compute_dtype).itemsize
     s = prompt_len + bound
