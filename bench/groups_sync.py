@@ -51,12 +51,12 @@ def offer(name: str, repeats: int) -> None:
 
     from ess_jax.model import decoder as model_lib
     from ess_jax.parallel import sharding as sharding_lib
-    from ess_jax.rl import groups
+    from ess_jax.rl import group_channel
 
     cfg, params, config = _model(name)
     mesh = sharding_lib.make_mesh(dict(config.mesh))
     params = jax.block_until_ready(jax.device_put(params, model_lib.param_shardings(cfg, mesh)))
-    server = groups.transfer_server("127.0.0.1")
+    server = group_channel.transfer_server("127.0.0.1")
     for uuid in range(1, repeats + 1):
         server.await_pull(uuid, params)
     print(server.address(), flush=True)
@@ -68,12 +68,13 @@ def pull(name: str, repeats: int, address: str) -> dict:
 
     from ess_jax.model import decoder as model_lib
     from ess_jax.parallel import sharding as sharding_lib
-    from ess_jax.rl import groups, sampler_group
+    from ess_jax.rl import group_channel, sampler_group
 
     cfg, params, config = _model(name)
-    abstract = groups.exchange_abstract(cfg, sharding_lib.make_mesh(dict(config.mesh)))
+    abstract = group_channel.exchange_abstract(cfg, sharding_lib.make_mesh(dict(config.mesh)))
     sample_sh = model_lib.param_shardings(cfg, sharding_lib.make_mesh({"data": -1}), "sample")
-    puller = sampler_group.Puller(groups.transfer_server("127.0.0.1"), address, abstract, sample_sh)
+    server = group_channel.transfer_server("127.0.0.1")
+    puller = sampler_group.Puller(server, address, abstract, sample_sh)
     pull_s, gather_s = [], []
     for uuid in range(1, repeats + 1):
         t0 = time.perf_counter()

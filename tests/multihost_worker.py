@@ -21,7 +21,7 @@ import jax
 from absl import app
 
 from ess_jax import main, rewards
-from ess_jax.rl import actor_learner, groups, train
+from ess_jax.rl import actor_learner, group_channel, groups, train
 
 
 def coin_reward(text: str, example: dict) -> float:
@@ -39,7 +39,7 @@ def _logged_restore(restore):
 
 def _die_in_push(send, version: int):
     def wrapped(self, msg):
-        if isinstance(msg, groups.Params) and msg.version == version:
+        if isinstance(msg, group_channel.Params) and msg.version == version:
             os.kill(os.getpid(), signal.SIGKILL)
         return send(self, msg)
 

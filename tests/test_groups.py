@@ -1,7 +1,7 @@
 """train.mode "async" as two programs (ess_jax/rl/groups.py): a trainer group and a sampler
-group, one process each with 4 fake CPU devices (or 4 and 2), against the one-process
-actor-learner on 8 devices split 4 + 4 (or 6 split 2 + 4), with the sampler and the trainer
-killed (kill -9) on the way.
+group, one process each with 4 fake CPU devices (or 4 and 2), or two processes each with 2,
+against the one-process actor-learner on 8 devices split 4 + 4 (or 6 split 2 + 4), with the
+sampler and the trainer killed (kill -9) on the way.
 
 With rollout.max_lag 0 the schedule is deterministic: batch k is drawn by version k, from the
 same data position with the same key, on a rollout mesh of the same shape, and trained on a
@@ -81,9 +81,9 @@ class Proc:
         lines = self.log.read_text(errors="replace").splitlines()
         return f"--- {self.name} (exit {self.p.poll()}):\n" + "\n".join(lines[-n:])
 
-    def wait(self, others=()) -> int:
+    def wait(self, others=(), timeout=TIMEOUT_S) -> int:
         try:
-            return self.p.wait(TIMEOUT_S)
+            return self.p.wait(timeout)
         except subprocess.TimeoutExpired:
             pytest.fail(f"{self.name} did not finish\n" + "\n".join(o.tail() for o in others))
 
@@ -98,12 +98,26 @@ def procs():
         q.p.wait()
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-process actor-learner on 8 devices split 4 + 4 (started once, shared by the
+    tests of equal groups): its process and workdir."""
+    tmp = tmp_path_factory.mktemp("reference")
+    ref = Proc("reference", tmp, tmp / "ref", 8)
+    yield ref, tmp / "ref"
+    if ref.p.poll() is None:
+        ref.p.kill()
+    ref.p.wait()
+
+
 def _rows(workdir: Path) -> list[dict]:
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(tmp_path, procs):
+def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(
+    tmp_path, procs, reference
+):
     """Catches a two-program run whose rows differ from the one-process actor-learner's (a
     version off by one in the pulled params, another data position or key, params not pulled
     shard for shard into the right layout), a trainer that crashes or does not wait when the
@@ -113,8 +127,7 @@ def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(tmp_
     that restarts the sampler group from anything but the trainer's checkpoint."""
     port = _free_port()
     role = lambda r: (f"--role={r}", f"--config.train.async_address=127.0.0.1:{port}")
-    ref = Proc("reference", tmp_path, tmp_path / "ref", 8)
-    procs.append(ref)
+    ref, ref_dir = reference
     grp = tmp_path / "groups"
     die_push = {"ESS_JAX_TEST_DIE_IN_PUSH": "3"}  # after step 2's row and step-2 checkpoint
     trainer = Proc("trainer", tmp_path, grp, 4, *role("trainer"), env=die_push)
@@ -139,7 +152,7 @@ def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(tmp_
     assert sampler2.wait([sampler2]) == 0, sampler2.tail()
     assert "stopped: the trainer stopped" in sampler2.log.read_text(), sampler2.tail()
     assert ref.wait([ref]) == 0, ref.tail()
-    want, got = _rows(tmp_path / "ref"), _rows(grp)
+    want, got = _rows(ref_dir), _rows(grp)
     assert [r["step"] for r in got] == list(range(STEPS))
     for w, g in zip(want, got):
         assert g == w, (w["step"], {k: (w[k], g.get(k)) for k in w if w[k] != g.get(k)})
@@ -171,6 +184,50 @@ def test_lora_groups_of_unequal_sizes_give_the_one_process_rows(tmp_path, procs)
         assert g == w, (w["step"], {k: (w[k], g.get(k)) for k in w if w[k] != g.get(k)})
 
 
+def _cluster(port: int, index: int) -> dict:
+    """The environment of process `index` of a two-process group coordinated on `port`."""
+    return {
+        "ESS_JAX_NO_DISTRIBUTED": "0",
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "JAX_NUM_PROCESSES": "2",
+        "JAX_PROCESS_ID": str(index),
+    }
+
+
+def test_groups_of_two_processes_each_give_the_one_process_rows(tmp_path, procs, reference):
+    """Catches groups of several processes that do not follow their process 0 (a trainer
+    process that misses a batch, an offer or a rejoin, a sampler process that draws with
+    another version or pulls another's shards: a hang, or other rows), a pull that goes
+    through one host instead of process k <- process k, and a batch not broadcast whole:
+    2 trainer processes x 2 devices and 2 sampler processes x 2 devices, 4 steps, against the
+    one-process actor-learner on 8 devices split 4 + 4. Sampled tokens and rewards exactly;
+    losses, ratios and ESS to 1e-5 (the trainer's gradients are summed by gloo across its two
+    processes, in another order than one process's all-reduce: tests/test_multihost.py)."""
+    port = _free_port()
+    role = lambda r: (f"--role={r}", f"--config.train.async_address=127.0.0.1:{port}")
+    ref, ref_dir = reference
+    grp = tmp_path / "groups"
+    for name, coordinator in (("trainer", _free_port()), ("sampler", _free_port())):
+        for i in range(2):
+            env = _cluster(coordinator, i)
+            procs.append(Proc(f"{name}{i}", tmp_path, grp, 2, *role(name), env=env))
+    for q in procs:  # about 40 s alone; a process that does not follow its group hangs
+        assert q.wait(procs, timeout=300) == 0, "\n".join(p.tail() for p in procs)
+    assert ref.wait([ref]) == 0, ref.tail()
+    want, got = _rows(ref_dir), _rows(grp)
+    assert [r["step"] for r in got] == list(range(STEPS))
+    exact = ("step", "reward_mean", "reward_std", "response_len", "frac_groups_solved",
+             "policy_lag", "lag_max", "lag_budget")  # fmt: skip
+    for w, g in zip(want, got):
+        assert set(g) == set(w), w["step"]
+        for k in sorted(set(w) - {"queue_depth", "capped_frac"}):
+            if k in exact or not isinstance(w[k], float):
+                assert g[k] == w[k], (w["step"], k)
+            else:
+                assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-5), (w["step"], k)
+    assert got[1]["grad_norm"] > 0.1  # not vacuous: the coin reward gives something to learn
+
+
 def test_a_sampler_with_another_config_is_refused_in_one_line(tmp_path, procs):
     """Catches a handshake that lets a sampler group started with another config draw for the
     trainer (its rows would be another experiment's) or fails it with a traceback."""
@@ -186,6 +243,51 @@ def test_a_sampler_with_another_config_is_refused_in_one_line(tmp_path, procs):
     assert "another config" in out[-1] and "Traceback" not in sampler.log.read_text()
     time.sleep(0.5)
     assert trainer.p.poll() is None  # the trainer keeps waiting for its own sampler group
+
+
+@pytest.mark.parametrize("peer", [4, 2])
+def test_the_planner_counts_the_sync_copies_as_the_layouts_hold_them(peer):
+    """Catches a planner that counts the trainer's sync copies in the train layout whatever the
+    sampler group's size (with 2 sampler devices the offered copy is resharded to "fsdp" over
+    2 devices: twice a train shard on each) or misses the newest copy kept beside the offered
+    one: the planner's bytes against the per-device bytes of the arrays RemoteLink holds, the
+    newest copy in the train layout over 4 devices and the offer in group_channel's exchange
+    layout, on the device holding the most (device 0 is in both)."""
+    import jax
+    import numpy as np
+
+    from configs import quickstart
+    from ess_jax.memory import planner
+    from ess_jax.parallel import sharding as sharding_lib
+    from ess_jax.rl import group_channel
+
+    config = quickstart.get_config("tiny")
+    config.train.mode, config.train.async_role = "async", "trainer"
+    cfg = planner.model_config(config.model)
+    devices = jax.devices()[:4]
+    train_mesh = sharding_lib.make_mesh(dict(config.mesh), devices)
+    newest = group_channel.exchange_abstract(cfg, train_mesh)
+    # exchange_mesh: the train layout at equal counts, else "fsdp" over jax.devices()[:peer]
+    exchange = group_channel.exchange_mesh(config, 4, peer) if peer < 4 else train_mesh
+    offered = group_channel.exchange_abstract(cfg, exchange)
+
+    def on_device(tree, device) -> int:
+        total = 0
+        for x in jax.tree.leaves(tree):
+            shards = x.sharding.addressable_devices_indices_map(x.shape)
+            if device in shards:
+                shape = [len(range(*i.indices(n))) for i, n in zip(shards[device], x.shape)]
+                total += int(np.prod(shape)) * x.dtype.itemsize
+        return total
+
+    held = max(on_device(newest, d) + on_device(offered, d) for d in devices)
+    plan = planner.plan(config, 4, "h100", peer_devices=peer)
+    assert plan.phases["train step"]["params sync copies (newest + offered)"] == held
+    trained = on_device(newest, devices[0])
+    if peer == 4:
+        assert held == 2 * trained
+    else:  # the offer: 4 shards over 2, twice a train shard (less the replicated norm scales)
+        assert 2.95 * trained < held < 3 * trained
 
 
 def test_the_cost_model_puts_the_pull_on_the_sampler_side_of_the_schedule():

@@ -180,6 +180,11 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", help="mesh override, e.g. fsdp=4,tensor=2 (default: the config's)")
     p.add_argument("--device", help=f"device kind: {', '.join(presets.HBM)}")
     p.add_argument("--num_devices", type=int, help="devices in the mesh")
+    p.add_argument(
+        "--peer_devices",
+        type=int,
+        help="train.async_role runs: the other group's devices (default: as many)",
+    )
     p.add_argument("--markdown", action="store_true", help="the paper experiments' table")
     p.add_argument("--write", help="with --markdown: replace the table in this file")
     args = p.parse_args(argv)
@@ -218,7 +223,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         given = f"--mesh {args.mesh}" if mesh else "config.mesh"
         user_exit(f"{given} on {num_devices} devices: {e}")
-    plan = memory.plan(config, num_devices, device, mesh)
+    if args.peer_devices is not None and args.peer_devices < 1:
+        user_exit(f"--peer_devices {args.peer_devices}: must be >= 1")
+    plan = memory.plan(config, num_devices, device, mesh, peer_devices=args.peer_devices)
     if refused:
         print(f"planned although the config file refuses it: {refused}")
     print("\n".join(plan.lines()))

@@ -183,9 +183,12 @@ def sampler_phase(
     return {**weights, **decoding}
 
 
-def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Plan:
+def plan(
+    config, num_devices: int, device: str, mesh: dict | None = None, peer_devices=None
+) -> Plan:
     """The memory plan of `config` on `num_devices` devices of kind `device` (a key of HBM),
-    with the config's mesh or `mesh`."""
+    with the config's mesh or `mesh`; `peer_devices`: for a group of a two-program async run,
+    the other group's device count (None: as many as this one)."""
 
     if device not in HBM:
         raise ValueError(f"unknown device {device!r}; valid: {sorted(HBM)}")
@@ -265,11 +268,15 @@ def plan(config, num_devices: int, device: str, mesh: dict | None = None) -> Pla
     if r.lag:
         phases["history push"] = {"new version": trained}
     if t.get("mode") == "async" and t.get("async_role", "both") != "both":
-        # rl/groups.py: the trainer holds up to two copies of its params for the sampler's
-        # pulls (one offered, one waiting), which may outlive the next train step; the
-        # sampler group pulls one while it samples, then gathers it to its sample layout
-        # (the sample phase's weights)
-        phases["train step"]["params sync copies (train layout, 2x)"] = 2 * trained
+        # rl/groups.py: the trainer keeps its newest copy (train layout) and the one offered
+        # for a pull, in the exchange layout, which may outlive the next train step; the
+        # sampler group pulls into the exchange layout while it samples, then gathers to its
+        # sample layout (the sample phase's weights). The exchange layout is the train one when
+        # both groups have as many devices, else "fsdp" over the smaller count's devices
+        # (group_channel.exchange_mesh): there, each holds the params / that count.
+        e = min(num_devices, int(peer_devices or num_devices))
+        exchange = trained if e == num_devices else trained_bytes(cfg, abstract_mesh({"fsdp": e}))
+        phases["train step"]["params sync copies (newest + offered)"] = trained + exchange
         if "sample" in phases:
-            phases["sample"]["params sync copy (train layout)"] = trained
+            phases["sample"]["params sync copy (exchange layout)"] = exchange
     return Plan(device, sizes, resident, phases)

@@ -42,15 +42,27 @@ def barrier(name: str) -> None:
         _client().wait_at_barrier(_key(name), TIMEOUT_MS)
 
 
-def from_process0(name: str, value: Any) -> Any:
-    """Process 0's `value` (JSON-able), on every process."""
+def from_process0(name: str, value: Any, timeout_ms: int = TIMEOUT_MS) -> Any:
+    """Process 0's `value` (JSON-able), on every process (the others' `value` is ignored)."""
     if jax.process_count() == 1:
         return value
     key = _key(name)
     if jax.process_index() == 0:
         _client().key_value_set(key, json.dumps(value))
         return value
-    return json.loads(_client().blocking_key_value_get(key, TIMEOUT_MS))
+    return json.loads(_client().blocking_key_value_get(key, timeout_ms))
+
+
+def gather(name: str, value: Any) -> list:
+    """Every process's `value` (JSON-able), in process order, on every process."""
+    if jax.process_count() == 1:
+        return [value]
+    key, client = _key(name), _client()
+    client.key_value_set(f"{key}/{jax.process_index()}", json.dumps(value))
+    return [
+        json.loads(client.blocking_key_value_get(f"{key}/{i}", TIMEOUT_MS))
+        for i in range(jax.process_count())
+    ]
 
 
 def on_every_process(name: str, ok: bool) -> bool:

@@ -181,7 +181,7 @@ class Sampler:
     def _main(self, k: int) -> None:
         try:
             while not self._stop.is_set():
-                got = self._wait_for_params(k)
+                got = self.params_for(k)
                 if got is None:
                     return
                 batch = self._collect(k, *got)
@@ -196,8 +196,10 @@ class Sampler:
             logging.error("sampler thread failed:\n%s", traceback.format_exc())
             self.error = e
 
-    def _wait_for_params(self, k: int):
-        """(version, params) once batch k may be drawn (k - version <= budget); None on stop."""
+    def params_for(self, k: int):
+        """(version, params) once batch k may be drawn (k - version <= budget); None on stop.
+        Called by the thread before each batch: a sampler group of several processes decides
+        here which version every process draws with (sampler_group.GroupSampler)."""
         with self._cond:
             while k - self._version > self._budget:
                 if self._stop.is_set():

@@ -53,18 +53,17 @@ draw next, from which data position, with which version and budget. So
   stopped so exits at once (it has nothing to save) and the trainer waits for it as after a
   kill.
 
-One process per group is what runs and is tested here; several processes per group are
-refused at start with one line (each process would pair with its peer by index, and the
-sampler group would need to agree on each batch's version by a broadcast: not built yet).
+Several processes per group. Each group may span hosts: process 0 of each holds the channel,
+the others follow its decisions (group_channel.py: the coordination service's key-value store
+for the decisions, one XLA broadcast for a batch), and process k of the sampler group pulls
+its shards from process k of the trainer group, so such groups must match in process and
+device count (refused at connect with one line otherwise). tests/test_groups.py runs 2 + 2
+processes against the one-process actor-learner.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import datetime
-import hashlib
-import json
 import logging
 import time
 from multiprocessing import AuthenticationError
@@ -74,133 +73,50 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ess_jax.config.schema import UserError
-from ess_jax.model import decoder as model_lib
-from ess_jax.model import lora
-from ess_jax.parallel import sharding as sharding_lib
+from ess_jax.parallel import hosts
 from ess_jax.rl import preemption
 from ess_jax.rl.actor_learner import Batch
+from ess_jax.rl.group_channel import (
+    HELLO_TIMEOUT_S,
+    Budget,
+    Drawn,
+    Hello,
+    Params,
+    Pulled,
+    Start,
+    Stop,
+    address,
+    exchange_abstract,
+    exchange_mesh,
+    follow,
+    handshake_key,
+    leads,
+    local_address,
+    pull_deadline,
+    same_shape,
+    share_object,
+    transfer_server,
+)
 from ess_jax.rl.trainer import Trainer
 
-ROLE_FIELDS = ("async_role", "async_address")  # left out of the handshake's key
-# A registered copy not pulled within this time is dropped by the transfer server (it has no
-# cancel): it bounds what a sampler group that died before pulling leaves on the trainer.
-PULL_WINDOW_S = 600.0
-HELLO_TIMEOUT_S = 60.0  # how long a connected sampler group may take to say its device count
 
-
-class GroupError(UserError, RuntimeError):
-    """The other group is gone or speaks another config."""
-
-
-# ---------------------------------------------------------------------- messages
-@dataclasses.dataclass
-class Start:
-    """Trainer -> sampler, on connect: draw from batch `batch` on, from data position `data`,
-    with the params of `version` (pulled under `uuid`) and lag budget `budget`."""
-
-    batch: int
-    data: dict
-    version: int
-    uuid: int
-    budget: int
-    transfer: str  # the trainer's transfer server address
-    devices: int  # the trainer group's devices (with the sampler's: the exchange layout)
-
-
-@dataclasses.dataclass
-class Hello:
-    """Sampler -> trainer, on connect: the sampler group's device count."""
-
-    devices: int
-
-
-@dataclasses.dataclass
-class Params:
-    version: int
-    uuid: int
-
-
-@dataclasses.dataclass
-class Budget:
-    value: int
-
-
-@dataclasses.dataclass
-class Stop:
-    reason: str
-    ok: bool = True  # False: the trainer failed (the sampler group exits 2)
-
-
-@dataclasses.dataclass
-class Pulled:
-    uuid: int
-    seconds: float
-
-
-@dataclasses.dataclass
-class Drawn:
-    batch: Batch
-
-
-def handshake_key(config) -> bytes:
-    """The channel's HMAC key: a digest of the config without the role fields."""
-    d = config.to_dict()
-    d["train"] = {k: v for k, v in d["train"].items() if k not in ROLE_FIELDS}
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).digest()
-
-
-def address(config) -> tuple[str, int]:
-    """train.async_address as (host, port)."""
-    host, _, port = str(config.train.async_address).rpartition(":")
-    return host or "127.0.0.1", int(port)
-
-
-def pull_deadline() -> datetime.datetime:
-    """When an offer made (or a pull started) now lapses: PULL_WINDOW_S from now."""
-    return datetime.datetime.now() + datetime.timedelta(seconds=PULL_WINDOW_S)
-
-
-def transfer_server(host: str):
-    """This process's `jax.experimental.transfer` server, on `host` (port picked by the OS)."""
-    from jax.experimental import transfer
-
-    return transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
-
-
-def exchange_mesh(config, devices: int, peer_devices: int):
-    """The mesh the params cross on, over this group's devices (module docstring): config.mesh
-    when both groups have `devices`, else "fsdp" over the first min of the two counts."""
-    if devices == peer_devices:
-        return sharding_lib.make_mesh(dict(config.mesh))
-    e = min(devices, peer_devices)
-    return sharding_lib.make_mesh({"fsdp": e}, jax.devices()[:e])
-
-
-def exchange_abstract(model_cfg, mesh):
-    """The params as the trainer offers them over `mesh` (`exchange_mesh`): ShapeDtypeStructs in
-    the train layout, what the sampler pulls into (model.lora: the adapters alone, the
-    trainer's trained params)."""
-    tree = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        model_lib.abstract_params(model_cfg),
-        model_lib.param_shardings(model_cfg, mesh),
-    )
-    return lora.split(tree)[1] if model_cfg.lora_rank else tree
-
-
-# ---------------------------------------------------------------------- trainer side
 class RemoteLink:
     """The trainer's link to a sampler group in another program: what `ActorLearner` drives
     (start, push, next_batch, set_budget, depth, stop), as `actor_learner.LocalLink` does for
-    the sampler thread of one process. Batches that have arrived wait in `inbox` (`depth`)."""
+    the sampler thread of one process. Batches that have arrived wait in `inbox` (`depth`).
+
+    Process 0 holds the channel; every process of the trainer group holds a transfer server
+    and the same offers (its shards of them), and follows process 0's events (`_event`: a
+    pull finished, a sampler group joined, a batch arrived) at the point process 0 takes them,
+    so that all launch the same copies and reshards in the same order."""
 
     def __init__(self, trainer: Trainer, config, model_cfg):
         self.trainer, self.config, self.model_cfg = trainer, config, model_cfg
         self.exchange_sh = None  # the connected group's exchange layout; None: the train one
         host, port = address(config)
-        self.listener = Listener((host, port), authkey=handshake_key(config))
-        self.server = transfer_server(host)
+        self.listener = Listener((host, port), authkey=handshake_key(config)) if leads() else None
+        self.server = transfer_server(local_address(host))
+        self.servers = hosts.gather("groups.transfer", self.server.address())
         self.conn: Connection | None = None
         self.uuid = 0
         self.newest: tuple[int, Any] = (0, None)  # (version, params copy) of the last push
@@ -213,6 +129,11 @@ class RemoteLink:
     def start(self, start: int, budget: int) -> None:
         self.next_index, self.budget = start, budget
         self.push(start)
+        if not leads():
+            event = self._event()
+            assert event[0] == "accept", event
+            self._accepted(event[1], None)
+            return
         logging.warning("waiting for the sampler group at %s:%d", *self.listener.address)
         with preemption.interruptible():
             self._accept()
@@ -230,6 +151,8 @@ class RemoteLink:
         return time.perf_counter() - t0
 
     def next_batch(self) -> Batch:
+        if not leads():
+            return self._follow_to_batch()
         while True:
             try:
                 if self.conn is None:
@@ -238,6 +161,8 @@ class RemoteLink:
                     self._handle(self.conn.recv())
                 if self.inbox:
                     batch = self.inbox.popleft()
+                    self._event("batch")
+                    share_object(batch)
                     self.next_index = batch.index + 1
                     return batch
                 self._handle(self.conn.recv())
@@ -254,7 +179,7 @@ class RemoteLink:
         self._send(Budget(budget))
 
     def depth(self) -> int:
-        return len(self.inbox)
+        return len(self.inbox)  # process 0's (the others hold none; only process 0 logs rows)
 
     def stop(self, failure: BaseException | None = None) -> None:
         if failure is None:
@@ -262,12 +187,14 @@ class RemoteLink:
         else:
             self._send(Stop(f"the trainer failed: {failure!r:.200}", ok=False))
         self._close()
-        self.listener.close()
+        if self.listener is not None:
+            self.listener.close()
 
+    # ------------------------------------------------------------------ offers
     def _offer(self, version: int, params) -> None:
         """`params` offered for one pull under a fresh uuid (a uuid is pulled once) and
-        announced, when a sampler group is connected."""
-        if self.conn is None:
+        announced, when a sampler group is connected (process 0's word, on every process)."""
+        if not follow("offer", self.conn is not None):
             return
         self.offered = self._register(params)
         self._send(Params(version, self.offered[0]))
@@ -281,15 +208,39 @@ class RemoteLink:
         self.server.await_pull(self.uuid, params, timeout=pull_deadline())
         return self.uuid, params
 
+    def _pulled(self) -> None:
+        """The sampler group pulled the offer: the version pushed meanwhile, if any, is next."""
+        self.offered = None
+        if self.waiting is not None:
+            (version, params), self.waiting = self.waiting, None
+            self._offer(version, params)
+
+    # ------------------------------------------------------------------ process 0's events
+    def _event(self, *event):
+        """Process 0's `event` on every process of the group (the others pass none)."""
+        return tuple(follow("event", list(event) if leads() else None))
+
+    def _follow_to_batch(self) -> Batch:
+        """A process other than 0: process 0's events until the batch it takes next."""
+        while True:
+            event = self._event()
+            if event[0] == "pulled":
+                self._pulled()
+            elif event[0] == "accept":
+                self._accepted(event[1], None)
+            else:
+                batch = share_object(None)
+                self.next_index = batch.index + 1
+                return batch
+
     def _handle(self, msg) -> None:
         if isinstance(msg, Drawn):
             self.inbox.append(msg.batch)
         elif isinstance(msg, Pulled) and self.offered and msg.uuid == self.offered[0]:
-            self.offered = None
-            if self.waiting is not None:
-                (version, params), self.waiting = self.waiting, None
-                self._offer(version, params)
+            self._event("pulled")
+            self._pulled()
 
+    # ------------------------------------------------------------------ the channel
     def _send(self, msg) -> None:
         """To the sampler group, if one is connected; a broken channel is closed, and the next
         `next_batch` waits for a new group."""
@@ -313,8 +264,6 @@ class RemoteLink:
         trainer's data position, with the newest version (registered anew: the group that left
         may have pulled its uuid). What the group that left drew and sent is drawn again."""
         self._close()
-        self.inbox.clear()
-        self.offered = self.waiting = None
         while self.conn is None:
             try:
                 conn = self.listener.accept()
@@ -325,27 +274,48 @@ class RemoteLink:
                 hello = conn.recv() if conn.poll(HELLO_TIMEOUT_S) else None
             except Exception:  # gone, or not a message of this protocol (unpickling failed)
                 hello = None
-            if (
-                not isinstance(hello, Hello)
-                or not isinstance(hello.devices, int)
-                or (hello.devices < 1)
+            if not (
+                isinstance(hello, Hello)
+                and all(isinstance(n, int) and n >= 1 for n in (hello.devices, hello.processes))
             ):
                 logging.error("refused a sampler group that did not say its device count")
                 conn.close()
                 continue
-            self._exchange(hello.devices)
-            version, params = self.newest
-            uuid, offered = self._register(params)
-            data, where = self.trainer.batcher.state(), self.server.address()
-            start = Start(
-                self.next_index, data, version, uuid, self.budget, where, jax.device_count()
-            )
-            try:
-                conn.send(start)
-            except OSError:  # gone already
-                conn.close()
+            if (why := same_shape(hello.devices, hello.processes)) is not None:
+                logging.error("refused a sampler group: %s", why)
+                self._refuse(conn, why)
                 continue
-            self.conn, self.offered = conn, (uuid, offered)
+            self._event("accept", hello.devices)
+            self._accepted(hello.devices, conn)
+
+    def _refuse(self, conn: Connection, why: str) -> None:
+        try:
+            conn.send(Stop(why, ok=False))
+        except OSError:
+            pass
+        conn.close()
+
+    def _accepted(self, peer_devices: int, conn: Connection | None) -> None:
+        """A sampler group of `peer_devices` joined (`conn`: process 0's channel to it): the
+        newest version offered to it in its exchange layout, on every process of the group."""
+        self.inbox.clear()
+        self.offered = self.waiting = None
+        self._exchange(peer_devices)
+        version, params = self.newest
+        uuid, offered = self._register(params)
+        self.offered = (uuid, offered)
+        if conn is None:  # not process 0
+            return
+        data = self.trainer.batcher.state()
+        start = Start(
+            self.next_index, data, version, uuid, self.budget, self.servers, jax.device_count()
+        )
+        try:
+            conn.send(start)
+        except OSError:  # gone already: the next next_batch waits for another group
+            conn.close()
+            return
+        self.conn = conn
 
     def _exchange(self, peer_devices: int) -> None:
         """The exchange layout for a sampler group of `peer_devices` (None: the train layout)."""
