@@ -6,7 +6,9 @@ two faults planted by environment variables: ESS_JAX_TEST_DIE_IN_PUSH=V kills th
 (SIGKILL, itself) in the middle of pushing params version V (registered for the pull, not yet
 announced); ESS_JAX_TEST_DIE_ON_BUDGET=1 kills the sampler group when the first lag budget
 arrives (the trainer has trained on batch 0 and goes on: its next push finds the channel
-broken).
+broken). Two signals: ESS_JAX_TEST_SIGTERM_ON_BATCH=1 sends the trainer SIGTERM as it takes its
+first batch from the sampler group; ESS_JAX_TEST_SIGTERM_ON_BUDGET=1 sends the sampler group
+SIGTERM when the first lag budget arrives.
 
 The test sets the environment: XLA_FLAGS (fake CPU devices, one XLA thread), JAX_PLATFORMS,
 and for a multi-process run JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID.
@@ -46,10 +48,23 @@ def _die_in_push(send, version: int):
     return wrapped
 
 
-def _die_on_budget(set_budget):
+def _die_on_budget(set_budget, sig=signal.SIGKILL):
     def wrapped(self, budget):  # the trainer has trained on a batch and is going on
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), sig)
         return set_budget(self, budget)
+
+    return wrapped
+
+
+def _sigterm_on_first_batch(next_batch):
+    sent = []
+
+    def wrapped(self):
+        batch = next_batch(self)
+        if not sent:
+            sent.append(batch.index)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return batch
 
     return wrapped
 
@@ -60,5 +75,11 @@ if __name__ == "__main__":
         groups.RemoteLink._send = _die_in_push(groups.RemoteLink._send, int(v))
     if os.environ.get("ESS_JAX_TEST_DIE_ON_BUDGET"):
         actor_learner.Sampler.set_budget = _die_on_budget(actor_learner.Sampler.set_budget)
+    if os.environ.get("ESS_JAX_TEST_SIGTERM_ON_BUDGET"):
+        actor_learner.Sampler.set_budget = _die_on_budget(
+            actor_learner.Sampler.set_budget, signal.SIGTERM
+        )
+    if os.environ.get("ESS_JAX_TEST_SIGTERM_ON_BATCH"):
+        groups.RemoteLink.next_batch = _sigterm_on_first_batch(groups.RemoteLink.next_batch)
     train.Run.try_restore = _logged_restore(train.Run.try_restore)
     app.run(main.main, flags_parser=main._parse_flags)

@@ -1,12 +1,12 @@
 """train.mode "async" as two programs (ess_jax/rl/groups.py): a trainer group and a sampler
 group, one process each with 4 fake CPU devices (or 4 and 2), or two processes each with 2,
 against the one-process actor-learner on 8 devices split 4 + 4 (or 6 split 2 + 4), with the
-sampler and the trainer killed (kill -9) on the way.
+sampler and the trainer killed (kill -9) and stopped (SIGTERM) on the way.
 
 With rollout.max_lag 0 the schedule is deterministic: batch k is drawn by version k, from the
 same data position with the same key, on a rollout mesh of the same shape, and trained on a
 train mesh of the same shape. So every row of the two-program run must equal the one-process
-run's (timings aside), including after a rejoin and a resume: a row lost, trained on twice,
+run's (timings aside), including after a rejoin and resumes: a row lost, trained on twice,
 drawn by another version (a version off by one in the pulled params: lag 1, other log-probs and
 ESS), or drawn from another data position, changes the rows.
 
@@ -28,7 +28,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "multihost_worker.py"
-STEPS = 4
+STEPS = 5
 OVERRIDES = {
     "sft.steps": 0,
     "data.prompts_per_step": 2,
@@ -123,8 +123,10 @@ def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(
     shard for shard into the right layout), a trainer that crashes or does not wait when the
     sampler group dies while it trains (its next push finds the channel broken), one that
     restarts the new group at the wrong batch (a row lost or trained on twice), a
-    sampler group that hangs or exits 0 when the trainer is killed mid-push, and a resume
-    that restarts the sampler group from anything but the trainer's checkpoint."""
+    sampler group that hangs or exits 0 when the trainer is killed mid-push, a resume
+    that restarts the sampler group from anything but the trainer's checkpoint, a trainer
+    that on SIGTERM exits without its checkpoint or without telling the sampler group, and
+    one that stops, instead of waiting, when a SIGTERM ends the sampler group."""
     port = _free_port()
     role = lambda r: (f"--role={r}", f"--config.train.async_address=127.0.0.1:{port}")
     ref, ref_dir = reference
@@ -144,13 +146,28 @@ def test_two_groups_give_the_one_process_rows_through_a_rejoin_and_a_resume(
     last = rejoined.log.read_text().strip().splitlines()[-1]
     assert last.startswith("error: the trainer group closed the channel"), rejoined.tail()
     assert [r["step"] for r in _rows(grp)] == [0, 1, 2], trainer.tail()
-    # both commands again: the trainer resumes from its checkpoint, the sampler from it
-    trainer2 = Proc("trainer-resumed", tmp_path, grp, 4, *role("trainer"))
+    # both commands again: the trainer resumes from its checkpoint (step 2), the sampler from
+    # it; SIGTERM to the trainer as batch 2 arrives (it waits interruptibly: step 2's start
+    # state is saved, preemption.py), exit 143, the sampler group told to stop
+    trainer2 = Proc("trainer-resumed", tmp_path, grp, 4, *role("trainer"),
+                    env={"ESS_JAX_TEST_SIGTERM_ON_BATCH": "1"})  # fmt: skip
     sampler2 = Proc("sampler-resumed", tmp_path, grp, 4, *role("sampler"))
     procs += [trainer2, sampler2]
-    assert trainer2.wait([trainer2, sampler2]) == 0, trainer2.tail() + sampler2.tail()
+    assert trainer2.wait([trainer2, sampler2]) == 143, trainer2.tail() + sampler2.tail()
+    assert "stopped: SIGTERM" in trainer2.log.read_text(), trainer2.tail()
     assert sampler2.wait([sampler2]) == 0, sampler2.tail()
     assert "stopped: the trainer stopped" in sampler2.log.read_text(), sampler2.tail()
+    # again, from step 2; SIGTERM to the sampler group once batch 2 is trained on: it ends
+    # (nothing to save) and the trainer waits for the next group, which draws batches 3 and 4
+    trainer3 = Proc("trainer-resumed-2", tmp_path, grp, 4, *role("trainer"))
+    sampler3 = Proc("sampler-resumed-2", tmp_path, grp, 4, *role("sampler"),
+                    env={"ESS_JAX_TEST_SIGTERM_ON_BUDGET": "1"})  # fmt: skip
+    procs += [trainer3, sampler3]
+    assert sampler3.wait([trainer3, sampler3]) == -signal.SIGTERM, sampler3.tail()
+    sampler4 = Proc("sampler-resumed-3", tmp_path, grp, 4, *role("sampler"))
+    procs.append(sampler4)
+    assert trainer3.wait([trainer3, sampler4]) == 0, trainer3.tail() + sampler4.tail()
+    assert sampler4.wait([sampler4]) == 0, sampler4.tail()
     assert ref.wait([ref]) == 0, ref.tail()
     want, got = _rows(ref_dir), _rows(grp)
     assert [r["step"] for r in got] == list(range(STEPS))
