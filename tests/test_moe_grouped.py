@@ -74,6 +74,30 @@ def test_block_forward_and_gradient_match_dense_with_replayed_routing(dtype):
         assert float(jnp.abs(own - out_grouped).max()) > 0.1
 
 
+def test_the_backward_yields_the_expert_gradients_with_the_input_gradient():
+    """Catches the optimization barrier of grouped.expert_ffn gone: without it the TPU compiler
+    defers every layer's weight-gradient kernels (tgmm) to the end of the backward and keeps
+    their inputs (dispatched tokens, their gradient, the SwiGLU rows: 2.77 GB per layer of
+    Qwen3-30B-A3B on v5p-64, 17.46 GB against 12.22 GB for a 2-layer rl_step: docs/memory.md).
+    In the gradient's HLO the barrier's transpose holds the input's cotangent together with
+    the three stacks' (one tuple of their four shapes), so neither leaves before the other."""
+    d, f, e, k = 16, 8, 4, 2
+    x = jax.random.normal(jax.random.key(0), (2, 6, d))
+    weights = jnp.full((2, 6, k), 0.5)
+    experts = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (2, 6, k))
+    stacks = [jax.random.normal(jax.random.key(i), s) for i, s in
+              enumerate([(e, d, f), (e, d, f), (e, f, d)], 1)]  # fmt: skip
+
+    def loss(x, gate, up, down):
+        return jnp.sum(grouped.expert_ffn(x, weights, experts, gate, up, down) ** 2)
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, *stacks).as_text()
+    barriers = [line for line in hlo.splitlines() if "optimization_barrier" in line]
+    shapes = ("2x6x16xf32", "4x16x8xf32", "4x16x8xf32", "4x8x16xf32")
+    assert len(barriers) == 2  # the forward's, and its transpose in the backward
+    assert all(all(s in line for s in shapes) for line in barriers)
+
+
 def test_model_log_probs_and_gradients_under_expert_ranks():
     """The tiny MoE (sparse layers 0 and 2) placed on {fsdp 2, expert 4} of the fake devices
     (train layout: 2 of the 8 experts per rank, rows over fsdp): log-probs and every parameter

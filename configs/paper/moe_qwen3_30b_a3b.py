@@ -16,8 +16,9 @@ model/grouped.py) and split over 8 expert ranks taken from the preset's data ran
 layer's 128 experts per device.
 `,tiny` is the CPU smoke run of every paper file (SmolLM2-135M, a dense model: no experts, no
 replay). Compiled for v5p-64 with tools/compile_tpu.py, its first 2 and 4 layers only
-(results/tpu/): the compiler's temporaries grow by 3.3 GB per layer, the planner's by 0.7, so
-the planner's fit is not validated (docs/memory.md, "Mixture of experts").
+(results/tpu/): the compiler's temporaries grow by 1.2 GB per layer, the planner's by 0.7, and a
+line through the two records puts the 48-layer step near 79 GB, the plan's at 50.4: the
+planner's fit is not validated (docs/memory.md, "Mixture of experts").
 Unknown: everything a run would measure; this file is the shape of the run.
 """
 
