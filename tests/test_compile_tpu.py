@@ -161,6 +161,48 @@ def test_two_host_topology(tiny, tmp_path):
     assert all("error" not in p for p in rec["programs"].values()) and rec["fits"]
 
 
+def test_external_behaviour_model_programs(tmp_path):
+    """Catches E7's external sampler left out of the compile (its Qwen3-8B prefill and decode
+    are the largest sampler programs of the arm), built with the policy's shapes instead of
+    the external checkpoint's, or sampling before its copy in rollout.external_precision."""
+    ext = tmp_path / "ExternalModel"
+    ext.mkdir()
+    hf = dict(architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=96,
+              intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rope_theta=1e4, max_position_embeddings=256,
+              tie_word_embeddings=False, rms_norm_eps=1e-5)  # fmt: skip
+    (ext / "config.json").write_text(json.dumps(hf))
+    cfg = tmp_path / "tiny_external.py"
+    cfg.write_text(
+        TINY.replace("c.rollout.group_size = 2", "c.rollout.group_size = 4").replace(
+            "    return c",
+            f"    c.rollout.external_fraction = 0.5\n    c.rollout.external_checkpoint = "
+            f"{str(ext)!r}\n    c.rollout.external_precision = 'bfloat16'\n    return c",
+        )
+    )
+    out = tmp_path / "ext.json"
+    args = [f"--config={cfg}", "--topology=v5e:2x2", f"--json={out}", "--only=external/decode4"]
+    assert compile_tpu.main(args) == 0
+    progs = json.loads(out.read_text())["programs"]
+    assert set(progs) == {"external/sampler_copy/bfloat16", "external/prefill",
+                          "external/decode4"}  # fmt: skip
+    assert all("error" not in p and p["planner_bytes"] > 0 for p in progs.values())
+    assert progs["external/decode4"]["loop_trips"] == 3
+    # the external model's own shapes: its 2 layers x 96 wide, bfloat16, two of each 4 samples
+    import jax
+
+    from ess_jax.memory import programs, tpu
+    from ess_jax.parallel import sharding as sharding_lib
+
+    config = plan_memory.load_config(str(cfg))
+    mesh = sharding_lib.make_mesh(dict(config.mesh), tpu.topology_devices("v5e:2x2"))
+    by_name = {p.name: p for p in programs.run_programs(config, mesh)}
+    (params,) = by_name["external/reshard"].args
+    embed = [x.shape for x in jax.tree.leaves(params) if x.shape[0] == 128]
+    assert embed and all(s[-1] == 96 for s in embed), embed
+    assert {"sample/prefill", "external/reshard"} <= set(by_name)
+
+
 def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
     """Catches a compiler refusal (a program larger than HBM) escaping as a traceback that
     loses the other programs' rows, and a record that says `fits` anyway."""

@@ -17,7 +17,9 @@ NamedShardings the run gives them), built by the functions the run itself calls:
                        segment's cache grown to its bound, at rollout.precision and
                        rollout.kv_cache_precision, one sampler call's prompts;
   eval/prefill, eval/decode<bound>
-                       the same at eval's batch, k, precision and length (with eval.every > 0).
+                       the same at eval's batch, k, precision and length (with eval.every > 0);
+  external/...         the external behaviour model's reshard, sampler copy, prefill and decode
+                       segments (rollout.external_fraction > 0: E7's Qwen3-8B sampler).
 
 No weights are loaded: the model's shapes come from `planner.model_config` (a checkpoint's
 config.json, else KNOWN_MODELS). Each program carries the planner's bytes for the same program
@@ -45,7 +47,7 @@ from ess_jax.memory import planner, tpu_terms
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import lora_policy, steps
+from ess_jax.rl import experiment, lora_policy, steps
 from ess_jax.rl import update as update_lib
 from ess_jax.rl.optim import make_optimizer
 from ess_jax.sampling import decode as decode_lib
@@ -312,10 +314,48 @@ def run_programs(config, mesh) -> list[Program]:
                             config.data.prompts_per_step // calls, r.group_size - n_ext, prompt,
                             r.max_new_tokens, r.temperature, r.precision, kv, amesh,
                             resident)  # fmt: skip
+    if n_ext:
+        out += external_programs(config, mesh, amesh, prompt, n_ext, kv, resident)
     if e.every:
         eprec = str(e.get("precision", "float32"))
         out += sampler_programs("eval", policy_cfg, *weights_for(eprec), mesh, e.batch_size, e.k,
                                 prompt, e.max_new_tokens, e.temperature, eprec,
                                 e.get("kv_cache_precision", "compute"), amesh,
                                 resident)  # fmt: skip
+    return out
+
+
+def external_programs(config, mesh, amesh, prompt: int, n: int, kv: str, resident: float):
+    """The external behaviour model's programs (rollout.external_checkpoint, E7): its params
+    stay in the train layout (rl/train.py loads them so), and each rollout gathers them to the
+    sample layout, formats them in rollout.external_precision and samples its `n` of each
+    group: external/reshard, external/sampler_copy/<format>, external/prefill and its decode
+    segments, the model's shapes from `planner.model_config` as the policy's."""
+    r = config.rollout
+    ecfg = planner.model_config(experiment.with_source(config.model, r.external_checkpoint))
+    precision = str(r.external_precision)
+    params = abstract(model_lib.abstract_params(ecfg), model_lib.param_shardings(ecfg, mesh))
+    sample_sh = model_lib.param_shardings(ecfg, mesh, "sample")
+    sample = abstract(model_lib.abstract_params(ecfg), sample_sh)
+    tpu = tpu_terms.is_tpu(device_of(mesh))
+    buffers = tpu_terms.reshard_buffers(ecfg, amesh) if tpu else 0.0
+    move = jax.jit(lambda p: p, out_shardings=sample_sh)
+    out = [Program("external/reshard", move, (params,), _bytes(params) + _bytes(sample) + buffers,
+                   resident - _bytes(params))]  # fmt: skip
+    if precision == "float32":
+        weights, w_bytes = (lambda compiled: sample), _bytes(sample)
+    else:
+        name = f"external/sampler_copy/{precision}"
+        fn = precision_lib.prepare_fn(precision)
+        w_bytes = planner.sampler_copy_bytes(ecfg, amesh, precision)
+        out.append(Program(name, fn, (sample,), _bytes(sample) + w_bytes, resident))
+        copy = jax.eval_shape(fn, sample)
+
+        def weights(compiled):
+            return abstract(copy, compiled[name].output_shardings)
+
+    prompts = config.data.prompts_per_step // int(r.get("sample_microbatches", 1))
+    out += sampler_programs("external", ecfg, weights, w_bytes, mesh, prompts, n, prompt,
+                            r.max_new_tokens, r.temperature, precision, kv, amesh,
+                            resident)  # fmt: skip
     return out

@@ -182,6 +182,9 @@ def compile_run(config, devices, log=print, only=None) -> dict[str, Row]:
         needed = set(only) | {n.split("/")[0] + "/prefill" for n in only if "/decode" in n}
         needed |= {p.name for p in progs if p.name.startswith(("sampler_copy", "lora_merge"))
                    and any(n.startswith(("sample/", "eval/")) for n in needed)}  # fmt: skip
+        needed |= {p.name for p in progs if p.name.startswith("external/sampler_copy")
+                   and any(n.startswith(("external/prefill", "external/decode"))
+                           for n in needed)}  # fmt: skip
         progs = [p for p in progs if p.name in needed]
     for program in progs:
         t0 = time.perf_counter()
