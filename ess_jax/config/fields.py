@@ -299,6 +299,12 @@ class TrainFields:
     pack_length: int = knob(
         0, ints(0), "train.pack_rows: the packed rows' length; 0: prompt width + max_new_tokens"
     )
+    # "rows": train.num_microbatches micro-batches of B / M rows each, packed cell by cell;
+    # "tokens": micro-batches cut by a token budget, one packed row of pack_length per device
+    # each, as many as the update's sequences need (data/packing.regroup)
+    pack_microbatches: str = knob(
+        "rows", Choice(("rows", "tokens")), "train.pack_rows: micro-batches by rows | tokens"
+    )
 
 
 @frozen

@@ -219,12 +219,29 @@ def _check_roles(get) -> None:
 
 
 def _check_packing(get) -> None:
-    """train.pack_rows (ess_jax/rl/packed.py) packs the trainer's forwards; two things read the
-    padded rows per position and cannot be packed exactly: pi_b's full-vocabulary re-score,
+    """train.pack_rows (ess_jax/rl/packed.py) packs the trainer's forwards; things that read the
+    padded rows per position cannot be packed exactly: pi_b's full-vocabulary re-score,
     LoRA dropout's masks (drawn per padded row and position) and a recorded MoE routing; nor
-    does the packed forward compute the router's load-balancing loss."""
+    does the packed forward compute the router's load-balancing loss. Micro-batches by tokens
+    (train.pack_microbatches) choose which sequences share a micro-batch: only the "step" ESS
+    scope is blind to that, and vcpo's batch pass reads the rows in their groups."""
+    by_tokens = (v := get("train.pack_microbatches")) and v[0] == "tokens"
     if not (v := get("train.pack_rows")) or not v[0]:
+        if by_tokens:
+            fail("train.pack_microbatches", "'tokens' cuts packed rows: set train.pack_rows=True")
         return
+    if by_tokens and (v := get("objective.ess_scope")) and v[0] != "step":
+        fail(
+            "train.pack_microbatches",
+            f"'tokens' decides which sequences share a micro-batch, which objective.ess_scope="
+            f"{v[0]!r} reads (its ESS per micro-batch): use ess_scope 'step' or 'rows'",
+        )
+    if by_tokens and (v := get("objective.name")) and v[0] == "vcpo":
+        fail(
+            "train.pack_microbatches",
+            "'tokens' regroups the rows, and vcpo's batch pass reads them in groups of "
+            "rollout.group_size: use 'rows'",
+        )
     if (v := get("objective.kl_estimator")) and v[0] == "full":
         fail(
             "train.pack_rows",

@@ -11,7 +11,11 @@ advantages) and every metric are the padded batch's computation, on the same num
 rounding. The packing follows the update's split: the rows of micro-batch k on device d are
 packed together (data/packing.cells), after the row shuffle of the micro-batch scopes, which the
 host draws here as `update_step` draws it in the program (`row_order`), so every micro-batch
-holds the same sequences packed as padded.
+holds the same sequences packed as padded. With train.pack_microbatches "tokens" the split
+follows the packing instead (`regroup`): the update's sequences packed into rows of
+pack_length, one packed row per device per micro-batch, and the padded rows regrouped on the
+devices to match (`regroup_rows`), M set per update (StepKey.num_microbatches); only the
+"step" ESS scope, whose numbers do not depend on the split, runs it (config/schema.py).
 
 Batch keys: PACKED ("packed_tokens", "packed_segments", "packed_positions", [R, S], split
 strided by micro-batch, never shuffled), INDEX ("pack_index" [B, T], a row array that travels
@@ -28,6 +32,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ess_jax.config.schema import fail
@@ -50,7 +55,13 @@ def pack(tokens_BxL, mask_BxL, prompt_len, pack_length, num_micro, row_blocks, o
     """`packing.pack` of a batch's host arrays; a sequence longer than the packed rows is
     refused naming train.pack_length."""
     tokens_BxL, mask_BxL = np.asarray(tokens_BxL), np.asarray(mask_BxL, bool)
-    length = length_for(pack_length, tokens_BxL.shape[1])
+    length = _checked_length(pack_length, mask_BxL)
+    return packing.pack(tokens_BxL, mask_BxL, prompt_len, length, num_micro, row_blocks, order)
+
+
+def _checked_length(pack_length: int, mask_BxL) -> int:
+    """`length_for` the batch; a sequence longer than that is refused naming the field."""
+    length = length_for(pack_length, mask_BxL.shape[1])
     longest = int(packing.sequence_lengths(mask_BxL).max(initial=0))
     if longest > length:
         fail(
@@ -58,7 +69,41 @@ def pack(tokens_BxL, mask_BxL, prompt_len, pack_length, num_micro, row_blocks, o
             f"{length} is shorter than a sequence of {longest} tokens (prompt + response); use "
             "0 (the prompt width + rollout.max_new_tokens) or at least that",
         )
-    return packing.pack(tokens_BxL, mask_BxL, prompt_len, length, num_micro, row_blocks, order)
+    return length
+
+
+def regroup(tokens_BxL, mask_BxL, prompt_len, pack_length, row_blocks):
+    """train.pack_microbatches "tokens": (`packing.regroup` of an update's host rows, the
+    regrouped rows packed one row per cell); a sequence longer than the packed rows is refused
+    as in `pack`."""
+    tokens_BxL, mask_BxL = np.asarray(tokens_BxL), np.asarray(mask_BxL, bool)
+    length = _checked_length(pack_length, mask_BxL)
+    rg = packing.regroup(mask_BxL, length, row_blocks)
+    tokens, mask = rg.take(tokens_BxL), rg.take(mask_BxL)
+    return rg, packing.pack(tokens, mask, prompt_len, length, rg.num_micro, row_blocks)
+
+
+@functools.lru_cache(maxsize=16)
+def regroup_fn(mesh):
+    """(rows [B, ...], index [B''], real [B'']) -> rows [B'', ...], laid out as the batch:
+    row g is row index[g], zero where real[g] is False. A sequence may change device (the
+    regroup balances the devices' packed rows), so the partitioner gathers the row arrays
+    (the per-token float32 arrays of one update: MBs, against the step's GBs)."""
+
+    def gather(rows, index, real):
+        def one(x):
+            keep = real.reshape(-1, *[1] * (x.ndim - 1))
+            return jnp.where(keep, x[index], jnp.zeros((), x.dtype))
+
+        return jax.tree.map(one, rows)
+
+    return jax.jit(sharding_lib.under_mesh(gather, mesh),
+                   out_shardings=sharding_lib.batch_sharding(mesh))  # fmt: skip
+
+
+def regroup_rows(rows: dict, rg: packing.Regroup, mesh):
+    """An update's device rows [B, ...] regrouped as `rg` says (`regroup_fn`)."""
+    return regroup_fn(mesh)(rows, jnp.asarray(rg.index), jnp.asarray(rg.real))
 
 
 def update_arrays(rows: packing.PackedRows) -> dict:

@@ -78,14 +78,17 @@ class UpdateConfig:
     seed: int = 0  # the row shuffle's and LoRA dropout's keys, with the update count
     group_size: int | None = None  # rollout.group_size: an objective's batch pass (vcpo)
     pack_length: int | None = None  # train.pack_rows: train.pack_length (0: P + T); None: off
+    pack_by_tokens: bool = False  # train.pack_microbatches "tokens": M set per update
 
 
 class StepKey(NamedTuple):
     """What one compiled update depends on beyond the run's UpdateConfig: one program per
-    prompt width (data.buckets) and full-KL form."""
+    prompt width (data.buckets), full-KL form and, with micro-batches by tokens, micro-batch
+    count (the rows' count follows from it)."""
 
     prompt_len: int  # P
     full_kl: FullKL | None = None  # objective.kl_estimator "full": how pi_b is re-scored
+    num_microbatches: int | None = None  # M of this update; None: UpdateConfig's
 
 
 class Learner:
@@ -138,19 +141,20 @@ class Learner:
 
         # 3 U updates, each on its own B' rows
         key = StepKey(rollout.prompt_len, full)
-        if key not in self.compiled:
-            shardings = behaviour.shardings if behaviour else None
-            self.compiled[key] = make_rl_step(ucfg, key, self.state_sh, self.batch_sh, shardings)
-        update = self.compiled[key]
         extra = (behaviour.params,) if behaviour else ()
         tokens, mask = rollout.tokens, rollout.attn_mask
         upd_metrics = []
         for u in range(n_upd):
             rows = jax.tree.map(lambda x, u=u: x[u * per : (u + 1) * per], batch)
-            pad = {}
+            pad, key_u = {}, key
             if ucfg.pack_length is not None:  # packed as this update will split its rows
                 host = [np.asarray(x)[u * per : (u + 1) * per] for x in (tokens, mask)]
-                rows, pad = self._packed_rows(rows, *host, rollout.prompt_len, int(state.step))
+                if ucfg.pack_by_tokens:
+                    rows, pad, m = self._token_microbatches(rows, *host, rollout.prompt_len)
+                    key_u = key._replace(num_microbatches=m)
+                else:
+                    rows, pad = self._packed_rows(rows, *host, rollout.prompt_len, int(state.step))
+            update = self._update_fn(key_u, behaviour)
             state, metrics = update(state, sharding_lib.shard_batch(rows, mesh), *extra)
             if on_update is not None:
                 on_update(state)
@@ -165,6 +169,15 @@ class Learner:
         if flip is not None:
             row["routing_flip"] = flip
         return state, row
+
+    def _update_fn(self, key: StepKey, behaviour):
+        """The compiled update of `key` (compiled on first use)."""
+        if key not in self.compiled:
+            shardings = behaviour.shardings if behaviour else None
+            self.compiled[key] = make_rl_step(
+                self.ucfg, key, self.state_sh, self.batch_sh, shardings
+            )
+        return self.compiled[key]
 
     def _row_blocks(self) -> int:
         return math.prod(self.mesh.shape[a] for a in sharding_lib.BATCH)
@@ -205,6 +218,17 @@ class Learner:
         pk = packed.pack(tokens, mask, prompt_len, ucfg.pack_length, m, blocks, order)
         shares = {"pad_frac_packed": pk.pad_share, "pad_frac_padded": packed.padded_share(mask)}
         return {**rows, **packed.update_arrays(pk)}, shares
+
+    def _token_microbatches(self, rows, tokens, mask, prompt_len: int):
+        """train.pack_microbatches "tokens": an update's rows regrouped into micro-batches of
+        one packed row per device (`packed.regroup`), with their packed rows; the pad shares
+        and the micro-batch count M. Only the "step" ESS scope runs it (config/schema.py):
+        its loss, gradient and metrics do not depend on which rows share a micro-batch."""
+        blocks = self._row_blocks()
+        rg, pk = packed.regroup(tokens, mask, prompt_len, self.ucfg.pack_length, blocks)
+        rows = packed.regroup_rows(rows, rg, self.mesh)
+        shares = {"pad_frac_packed": pk.pad_share, "pad_frac_padded": packed.padded_share(mask)}
+        return {**rows, **packed.update_arrays(pk)}, shares, rg.num_micro
 
 
 def routing_flip_share(differs_BxTxLs, r: rollout_lib.Rollout) -> float:
@@ -260,7 +284,7 @@ def update_step(ucfg: UpdateConfig, key: StepKey, batch_sh, state, rows, behavio
     the policy's differentiated forwards drop adapter inputs, each row by its key from the seed
     and `state.step` (`steps.with_dropout_keys`); the proximal and reference log-probs
     (`steps.score_fn`) and the re-scored pi_b are dropout-free."""
-    ocfg, m = ucfg.objective, ucfg.num_microbatches
+    ocfg, m = ucfg.objective, key.num_microbatches or ucfg.num_microbatches
     entropy = ocfg.beta_ent != 0
     # the log-prob function the gradient differentiates
     router = ucfg.model.moe_aux_loss_coef > 0
