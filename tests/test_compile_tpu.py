@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,6 +202,23 @@ def test_external_behaviour_model_programs(tmp_path):
     embed = [x.shape for x in jax.tree.leaves(params) if x.shape[0] == 128]
     assert embed and all(s[-1] == 96 for s in embed), embed
     assert {"sample/prefill", "external/reshard"} <= set(by_name)
+
+
+def test_a_mesh_that_splits_a_torus_axis_is_built():
+    """Catches make_mesh refusing a preset's mesh that needs a physical torus axis split: E7's
+    v5p-64 mesh (data 8, fsdp 2, tensor 2) on v5p:4x4x2, which jax.make_mesh alone refuses
+    (NotImplementedError), so the arm could not start on its slice; and a split that puts a
+    tensor pair on chips that are not torus neighbours."""
+    from ess_jax.memory import tpu
+    from ess_jax.parallel import sharding as sharding_lib
+
+    devices = tpu.topology_devices("v5p:4x4x2")
+    mesh = sharding_lib.make_mesh({"data": 8, "fsdp": 2, "tensor": 2}, devices)
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+    for pair in mesh.devices.reshape(16, 2):  # each tensor pair: one hop on the torus
+        a, b = (np.array(d.coords) for d in pair)
+        assert np.abs(a - b).sum() == 1, (a, b)
 
 
 def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):

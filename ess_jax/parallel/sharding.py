@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -144,12 +145,22 @@ def make_mesh(
     shape: Mapping[str, int] | Sequence[int] | None = None,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
-    """Mesh over MESH_AXES. One size may be -1 (all remaining devices)."""
+    """Mesh over MESH_AXES. One size may be -1 (all remaining devices).
+
+    On a TPU slice `jax.make_mesh` lays each mesh axis over whole physical torus axes, and
+    refuses a shape that needs one split: the E7 arm's v5p-64 mesh (data 8, fsdp 2, tensor 2)
+    on v5p:4x4x2 leaves fsdp and tensor halves of a 4-chip ring. Such a shape is then laid
+    out with the physical axes split (mesh_utils' allow_split_physical_axes, as MaxText's
+    option of that name): each half-ring's chips are still neighbours on the torus."""
     devices = list(devices if devices is not None else jax.devices())
     sizes = tuple(mesh_shape(shape, len(devices)).values())
     # Auto axes: GSPMD propagation with sharding constraints (jax 0.10 defaults to Explicit).
     auto = (AxisType.Auto,) * len(MESH_AXES)
-    return jax.make_mesh(sizes, MESH_AXES, axis_types=auto, devices=devices)
+    try:
+        return jax.make_mesh(sizes, MESH_AXES, axis_types=auto, devices=devices)
+    except NotImplementedError:  # mesh_utils: no assignment without splitting a torus axis
+        grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=auto)
 
 
 def _mesh_axis_size(mesh: Mesh, axis) -> int:
