@@ -36,6 +36,7 @@ import numpy as np
 from bench.common import Sizes, one_device_mesh, scalar_overrides
 from bench.gpu import model_config
 from ess_jax import objectives as obj_lib
+from ess_jax.data import packing
 from ess_jax.data.layout import RowLayout
 from ess_jax.model import decoder as model_lib
 from ess_jax.rl import packed, steps
@@ -50,11 +51,7 @@ OPTIM = {"lr": 1e-5, "max_grad_norm": 0.0, "schedule": "constant"}
 def rollout(vocab: int, rows: int, prompt: int, gen: int, seed: int = 0) -> Rollout:
     """A synthetic rollout of `rows` sequences (module docstring: the length distribution)."""
     rng = np.random.default_rng(seed)
-    plen = rng.integers(1, prompt + 1, rows)
-    rlen = np.clip(np.round(rng.lognormal(np.log(max(gen / 4, 1.0)), 0.8, rows)), 1, gen)
-    rlen[0] = gen  # the longest, as the padded width assumes
-    pos = np.arange(prompt + gen)[None]
-    mask = (pos >= prompt - plen[:, None]) & (pos < prompt + rlen[:, None])
+    mask = packing.long_tailed_mask(rng, rows, prompt, gen)
     tokens = np.where(mask, rng.integers(1, vocab, mask.shape), 0).astype(np.int32)
     loss_mask = mask[:, prompt:].astype(np.float32)
     adv = np.repeat(rng.normal(size=(rows // GROUP, 1)), GROUP, 0) * loss_mask

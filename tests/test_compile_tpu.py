@@ -221,6 +221,36 @@ def test_a_mesh_that_splits_a_torus_axis_is_built():
         assert np.abs(a - b).sum() == 1, (a, b)
 
 
+def test_token_microbatches_step_compiles_with_set_overrides(tiny, tmp_path, monkeypatch):
+    """Catches --set overrides that the record does not keep (a --replan would then plan
+    another config), and a token-budget step (train.pack_microbatches "tokens") built with
+    the row micro-batches' count (4) or without its packed rows: its loop runs M times (M - 1
+    from M = 3: P3O's statistics pass), M the count `programs.token_batch` derives (2 here:
+    16 short sequences in 8 packed rows over 4 devices), and it sees fewer positions
+    per micro-batch than the padded step (flops per loop body)."""
+    from ess_jax.memory import programs, tpu
+    from ess_jax.parallel import sharding as sharding_lib
+
+    settings = ["objective.name='p3o'", "rollout.max_new_tokens=32", "train.num_microbatches=4"]
+    out = {}
+    for mode in ("rows", "tokens"):
+        sets = settings + ([] if mode == "rows" else
+                           ["train.pack_rows=True", "train.pack_microbatches=tokens"])  # fmt: skip
+        path = tmp_path / f"{mode}.json"
+        args = [f"--config={tiny}", "--topology=v5e:2x2", f"--json={path}", "--only=rl_step"]
+        assert compile_tpu.main(args + [f"--set={x}" for x in sets]) == 0
+        out[mode] = json.loads(path.read_text())
+        assert out[mode]["set"] == sets
+    config = compile_tpu.overridden(plan_memory.load_config(tiny), out["tokens"]["set"])
+    mesh = sharding_lib.make_mesh(dict(config.mesh), tpu.topology_devices("v5e:2x2"))
+    _, m = programs.token_batch(16, 16, 48, 0, mesh)
+    step, padded = out["tokens"]["programs"]["rl_step"], out["rows"]["programs"]["rl_step"]
+    assert m != 4 and step["loop_trips"] == (m - 1 if m > 2 else m) and "error" not in step
+    assert step["flops"] < padded["flops"]
+    monkeypatch.chdir(ROOT)
+    assert compile_tpu.replan(out["tokens"]) == out["tokens"]
+
+
 def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
     """Catches a compiler refusal (a program larger than HBM) escaping as a traceback that
     loses the other programs' rows, and a record that says `fits` anyway."""
@@ -258,6 +288,10 @@ def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
         (
             ["--config=configs/quickstart.py", "--topology=v5e:2x2", "--only=rl_stp"],
             "no program ['rl_stp']",
+        ),
+        (
+            ["--config=configs/quickstart.py", "--topology=v5e:2x2", "--set=train.nope=1"],
+            "config has no field 'train.nope'",
         ),
     ],
 )
@@ -311,7 +345,8 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     from ess_jax.memory import tpu_terms
 
     rows = fit_tpu_terms.read_rows()
-    assert sum(r[1] == "fit" for r in rows) == 8 and sum(r[1] == "held-out" for r in rows) == 1
+    # held out: Qwen2.5-1.5B's widths on v5e:2x4, E7 on v5p-64, E5 with micro-batches by tokens
+    assert sum(r[1] == "fit" for r in rows) == 8 and sum(r[1] == "held-out" for r in rows) == 3
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS

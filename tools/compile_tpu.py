@@ -77,15 +77,45 @@ def sliced(config, layers: int):
     return config
 
 
-def compile_spec(spec: str, topology: str | None, log=print, only=None, layers=None) -> dict:
+def overridden(config, settings):
+    """`config` with each "dotted.field=value" of `settings` set (the value a Python literal,
+    else a string), checked as the run checks its config (`schema.check_rules`)."""
+    import ast
+
+    from ess_jax.config import schema
+
+    for item in settings or ():
+        field, eq, text = item.partition("=")
+        if not eq:
+            raise ValueError(f"--set {item!r}: not dotted.field=value")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        *parents, leaf = field.split(".")
+        node = config
+        for part in parents:
+            node = node[part]
+        if leaf not in node:
+            raise ValueError(f"--set {item!r}: config has no field {field!r}")
+        node[leaf] = value
+    schema.check_rules(config)
+    return config
+
+
+def compile_spec(
+    spec: str, topology: str | None, log=print, only=None, layers=None, settings=()
+) -> dict:
     """The JSON record of --config=`spec` compiled for `topology` (default: its preset's);
     `only`: the names of the programs to compile (default: all); `layers`: the model's first
-    that many layers only (`sliced`; default: all)."""
+    that many layers only (`sliced`; default: all); `settings`: "dotted.field=value" overrides
+    of the config (`overridden`)."""
     import plan_memory  # tools/plan_memory.py: config loading as the planner does it
 
     from ess_jax.memory import tpu
 
     config, refused = plan_memory.load_planned(spec)
+    config = overridden(config, settings)
     if layers:
         config = sliced(config, layers)
     preset = preset_of(spec)
@@ -120,6 +150,7 @@ def compile_spec(spec: str, topology: str | None, log=print, only=None, layers=N
         # None with --only: the programs left out may be the largest
         "only": list(only) if only else None,
         "layers": layers,  # None: the whole model
+        "set": list(settings) or None,  # --set overrides of the config
         "fits": None if only else all(r.error is None for r in rows.values()) and peak <= usable,
         "programs": {name: row.to_json() for name, row in rows.items()},
     }
@@ -138,6 +169,7 @@ def replan(record: dict) -> dict:
     from ess_jax.parallel import sharding
 
     config, _ = plan_memory.load_planned(record["config"])
+    config = overridden(config, record.get("set"))
     if record.get("layers"):
         config = sliced(config, record["layers"])
     mesh = sharding.make_mesh(dict(config.mesh), tpu.topology_devices(record["topology"]))
@@ -155,7 +187,7 @@ def replan(record: dict) -> dict:
         if "error" not in row:
             peak.append(row["compiler_bytes"] + p.beside_bytes)
     out["peak_bytes"] = float(max(peak)) if peak else float("nan")
-    if set(out["programs"]) < set(built):  # compiled with --only
+    if set(out["programs"]) < set(built) and not out.get("only"):  # compiled with --only
         out["only"] = sorted(out["programs"])
     ok = all("error" not in r for r in out["programs"].values())
     out["fits"] = None if out.get("only") else ok and out["peak_bytes"] <= out["usable_bytes"]
@@ -210,9 +242,10 @@ def _estimates(p: dict, per_device: dict) -> tuple[str, str, str]:
 
 
 def _config_cell(rec: dict) -> str:
-    """The record's --config, and the layers compiled when not all (--layers)."""
-    layers = rec.get("layers")
-    return f"`{rec['config']}`" + (f" (first {layers} layers)" if layers else "")
+    """The record's --config, its --set overrides, and the layers compiled when not all."""
+    layers, settings = rec.get("layers"), rec.get("set")
+    cell = f"`{rec['config']}`" + "".join(f" `{s}`" for s in settings or ())
+    return cell + (f" (first {layers} layers)" if layers else "")
 
 
 def markdown_table(records: list[dict]) -> str:
@@ -266,6 +299,17 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the record here")
     p.add_argument("--only", help="comma-separated program names (default: every program)")
     p.add_argument("--layers", type=int, help="the model's first N layers only (default: all)")
+    p.add_argument(
+        "--role", choices=("fit", "held-out"), default="fit",
+        help="whether tools/fit_tpu_terms.py fits its RL step to this record",
+    )  # fmt: skip
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a config field, e.g. train.pack_rows=True (repeatable)",
+    )
     p.add_argument("--markdown", action="store_true", help="the table of results/tpu/*.json")
     p.add_argument(
         "--replan", nargs="+", metavar="JSON",
@@ -295,7 +339,11 @@ def main(argv=None) -> int:
 
         try:
             only = tuple(args.only.split(",")) if args.only else None
-            record = compile_spec(args.config, args.topology, only=only, layers=args.layers)
+            record = compile_spec(
+                args.config, args.topology, only=only, layers=args.layers, settings=args.set
+            )
+            if args.role != "fit":  # tools/fit_tpu_terms.py: a check of its fit, never fitted
+                record["role"] = args.role
         except (TopologyError, ValueError) as e:  # a topology, arm or program name
             raise UserError(str(e)) from e
     except UserError as e:

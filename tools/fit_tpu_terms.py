@@ -49,9 +49,11 @@ def record_config(record: dict, folder: str):
     """The config of `record`: its --config spec (results/tpu), or base_config with its dotted
     settings and its model's config.json written to `folder` (results/tpu_fit)."""
     if "model" not in record:
+        import compile_tpu
         import plan_memory
 
-        return plan_memory.load_planned(record["config"])[0]
+        config = plan_memory.load_planned(record["config"])[0]
+        return compile_tpu.overridden(config, record.get("set"))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({**KNOWN_MODELS[record["model_base"]], **record["model"]}, f)
     c = base_config()

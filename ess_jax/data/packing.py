@@ -216,3 +216,15 @@ def regroup(mask_BxL: np.ndarray, length: int, row_blocks: int = 1) -> Regroup:
         for j, row in enumerate(members):
             index[d * c * m + j * m + k], real[d * c * m + j * m + k] = row, True
     return Regroup(index, real, m)
+
+
+def long_tailed_mask(rng: np.random.Generator, rows: int, prompt: int, gen: int) -> np.ndarray:
+    """[rows, prompt + gen] real-token mask of the response lengths assumed where the paper
+    states none (bench/packing.py, the token-budget programs of memory/programs.py): prompts
+    of 1 .. `prompt` tokens, left-padded; responses lognormal with median gen / 4 (sigma 0.8),
+    cut to 1 .. `gen`, the first at `gen` (the longest, as the padded width assumes)."""
+    plen = rng.integers(1, prompt + 1, rows)
+    rlen = np.clip(np.round(rng.lognormal(np.log(max(gen / 4, 1.0)), 0.8, rows)), 1, gen)
+    rlen[0] = gen
+    pos = np.arange(prompt + gen)[None]
+    return (pos >= prompt - plen[:, None]) & (pos < prompt + rlen[:, None])

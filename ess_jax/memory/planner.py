@@ -87,6 +87,12 @@ def model_config(mcfg) -> model_lib.ModelConfig:
     return weights.config_from_hf(hf).replace(**experiment.trainer_settings(mcfg))
 
 
+def by_tokens(config) -> bool:
+    """Whether the run's micro-batches are cut by tokens (train.pack_microbatches)."""
+    t = config.train
+    return bool(t.get("pack_rows", False)) and t.get("pack_microbatches", "rows") == "tokens"
+
+
 @dataclasses.dataclass
 class Plan:
     """Per-device bytes: `resident` buffers live for the whole run, each phase adds its own."""
@@ -226,13 +232,15 @@ def plan(
     prompt_len = max(config.data.buckets)  # worst case: the widest prompt bucket
     seq_len = prompt_len + r.max_new_tokens
     rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch // t.num_microbatches
+    scored = r.max_new_tokens
+    if by_tokens(config):  # a micro-batch: one packed row per device, the LM head on all of it
+        rows = amesh.shape["data"] * amesh.shape["fsdp"]
+        seq_len = scored = int(t.pack_length) or seq_len
     full_kl = config.objective.get("kl_estimator") == "full"
     n_full = (1 + (r.external_fraction > 0)) if full_kl else 0
     tpu = tpu_terms.is_tpu(device)
     phases: dict[str, dict[str, float]] = {
-        "train step": device_train_terms(
-            device, cfg, amesh, rows, seq_len, n_full, r.max_new_tokens
-        )
+        "train step": device_train_terms(device, cfg, amesh, rows, seq_len, n_full, scored)
     }
     if full_kl and not r.lag and t.updates_per_batch > 1:  # full_kl.FullKL.inputs' copy
         phases["train step"]["behaviour params copy"] = trained

@@ -34,20 +34,23 @@ counts a loop body once.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from ess_jax import objectives as obj_lib
+from ess_jax.data import packing
 from ess_jax.config.presets import TPU_KINDS
 from ess_jax.memory import planner, tpu_terms
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import experiment, lora_policy, steps
+from ess_jax.rl import experiment, lora_policy, packed, steps
 from ess_jax.rl import update as update_lib
 from ess_jax.rl.optim import make_optimizer
 from ess_jax.sampling import decode as decode_lib
@@ -112,6 +115,23 @@ def _bytes(tree) -> float:
     byte, as the compiler counts it)."""
     leaves = jax.tree.leaves(tree)
     return float(planner.tree_bytes(leaves, [x.sharding for x in leaves]))
+
+
+def token_batch(rows: int, prompt: int, length: int, pack_length: int, mesh):
+    """(the abstract rows of one update cut by tokens, its micro-batch count M): train.
+    pack_microbatches "tokens" (data/packing.regroup) on a batch of `rows` sequences at the
+    lengths packing.long_tailed_mask assumes (seed 0; the paper states none), so M and the
+    regrouped rows are those of one such batch: D C M padded rows beside D M packed rows."""
+    mask = packing.long_tailed_mask(np.random.default_rng(0), rows, prompt, length - prompt)
+    blocks = math.prod(mesh.shape[a] for a in sharding_lib.BATCH)  # the batch's row blocks
+    s = packed.length_for(pack_length, length)
+    rg = packing.regroup(mask, s, blocks)
+    batch, sh = _batch(len(rg.index), prompt, length, mesh), sharding_lib.batch_sharding(mesh)
+    for k in packed.PACKED:
+        batch[k] = jax.ShapeDtypeStruct((blocks * rg.num_micro, s), jnp.int32, sharding=sh)
+    batch[packed.INDEX] = jax.ShapeDtypeStruct((len(rg.index), length - prompt), jnp.int32,
+                                               sharding=sh)  # fmt: skip
+    return batch, rg.num_micro
 
 
 def _static(cfg, n: int, new_tokens: int, temperature: float, kv: str) -> decode_lib.Static:
@@ -216,7 +236,11 @@ def run_programs(config, mesh) -> list[Program]:
     prompt = max(config.data.buckets)
     length = prompt + r.max_new_tokens
     rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch
-    batch = _batch(rows, prompt, length, mesh)
+    batch, m, key, pack_length = _batch(rows, prompt, length, mesh), t.num_microbatches, None, None
+    if planner.by_tokens(config):
+        pack_length = int(t.pack_length)
+        batch, m = token_batch(rows, prompt, length, pack_length, mesh)
+        key = m
     objective_cfg = obj_lib.objective_config(config.objective.to_dict())
     needs_prox = obj_lib.needs_prox(objective_cfg)
     used = {"prox_logp": needs_prox, "ref_logp": config.objective.beta_kl > 0}
@@ -230,12 +254,13 @@ def run_programs(config, mesh) -> list[Program]:
         batch[k] = batch["behaviour_logp"]
     bsh = sharding_lib.batch_sharding(mesh)
     ucfg = update_lib.UpdateConfig(cfg, objective_cfg, tx, t.num_microbatches, config.seed,
-                                   int(r.group_size))  # fmt: skip
-    step = update_lib.make_rl_step(ucfg, update_lib.StepKey(prompt), state_sh, bsh)
+                                   int(r.group_size), pack_length, key is not None)  # fmt: skip
+    skey = update_lib.StepKey(prompt, num_microbatches=key)
+    step = update_lib.make_rl_step(ucfg, skey, state_sh, bsh)
     train_terms = sum(plan.phases["train step"].values())
     out = [
         Program("rl_step", step, (state, batch), held + _bytes(batch) + train_terms,
-                beside_train, _step_trips(objective_cfg, t.num_microbatches))
+                beside_train, _step_trips(objective_cfg, m))
     ]  # fmt: skip
     if scored:
         chunks = t.num_microbatches * t.updates_per_batch

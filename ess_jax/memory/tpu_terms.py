@@ -15,6 +15,8 @@ peak live set in its `*live-range.txt`):
     (bfloat16 weights) or a bfloat16 copy of every block matrix (float32 weights: the MXU's
     default precision rounds float32 operands to bfloat16), and reads one layer's bfloat16
     cache as float32;
+  - with the vocabulary split over "tensor", the sampler's programs hold the whole embedding
+    table once (`lookup_table`);
   - the train -> sample reshard gathers every param into a buffer of its own and copies it
     into the output: a second full copy of the sample-layout params (above VMEM's size; a
     model smaller than that gathers into VMEM, which memory_analysis does not count).
@@ -112,7 +114,8 @@ def sampler_terms(
         k["prefill_attn"] * uniq * n_kv * prompt_len * c * 4
         + k["prefill_mlp"] * uniq * prompt_len * f * b
     )
-    decode = draw + hoisted_weights(cfg, mesh, precision)
+    lookup = lookup_table(cfg, mesh, precision)
+    decode = draw + hoisted_weights(cfg, mesh, precision) + lookup
     if terms.kv_bytes_per_element(cfg, kv_cache) < 4:  # one layer's K and V read as float32
         decode += 2 * terms.batch_split(rows, mesh) * n_kv * s * cfg.head_dim * 4
     return {
@@ -120,9 +123,22 @@ def sampler_terms(
         "prefill_cache": cache_bytes(
             cfg, mesh, rows, prompt_len + decode_bounds(new_tokens)[0], kv_cache
         ),  # fmt: skip
-        "prefill": prefill + draw,
+        "prefill": prefill + draw + lookup,
         "decode": decode,
     }
+
+
+def lookup_table(cfg, mesh, precision: str) -> float:
+    """Per-device bytes of the whole embedding table that the sampler's programs hold when the
+    sample layout splits its vocabulary over "tensor" (the token lookup reads any row): one
+    copy in the sampler's weight dtype (16 bits, float32 for float32 weights). Measured on
+    the E7 arm on v5p-64 (tensor 2; results/tpu): without this term every sampler program of
+    the policy (Qwen3-4B, 0.78 GB in bfloat16), of the external model (Qwen3-8B, 1.24 GB) and
+    of eval (float32, 1.56 GB) was under the compiler by about this much, 8-15%."""
+    t = mesh.shape["tensor"]
+    if t == 1 or cfg.vocab_size % t:
+        return 0.0
+    return float(cfg.vocab_size * cfg.hidden_size * (4 if precision == "float32" else 2))
 
 
 def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
