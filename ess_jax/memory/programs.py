@@ -44,8 +44,8 @@ import numpy as np
 import optax
 
 from ess_jax import objectives as obj_lib
-from ess_jax.data import packing
 from ess_jax.config.presets import TPU_KINDS
+from ess_jax.data import packing
 from ess_jax.memory import planner, tpu_terms
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
