@@ -13,8 +13,10 @@ finishes, its metrics.jsonl and a command.txt (the exact commands that reproduce
 fresh clone, `{workdir}` standing for any empty directory) go to
 <results>/<experiment>/<arm>/<seed>/. `experiments/analyze.py <results>` makes the tables.
 
-Runs are deterministic on the CPU: a rerun of the command gives the same metrics (timing
-fields aside: run_stats.TIMING_KEYS; `check` reruns a committed run and compares). XLA_FLAGS
+Runs are deterministic on the CPU for a given CPU count: a rerun of the command gives the same
+metrics (timing fields aside: run_stats.TIMING_KEYS; `check` reruns a committed run and
+compares). XLA:CPU's numbers depend on how many CPUs the process may use (`cpus`), so
+command.txt pins its commands to as many and the compilation cache is kept per count. XLA_FLAGS
 below asks for one XLA thread per process, which jax 0.10.2's XLA:CPU no longer honours (a
 1024^3 matmul chain with the flag runs 2.2x faster on two cores than pinned to one:
 tools/async_cost.py's docstring), so jobs run side by side share the cores: their timing
@@ -144,13 +146,23 @@ def code_version() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+def cpus() -> int:
+    """The CPUs this process may run on (its affinity), which its runs inherit. XLA:CPU sizes
+    its thread pool by them, and the numbers depend on it: the calib_p3o warm start of seed 0
+    evaluates to pass@1 0.241 pinned to one core and 0.266 on two, same code, same flags."""
+    return len(os.sched_getaffinity(0))
+
+
 def command_txt(job: Job, sets: tuple[str, ...] = ()) -> str:
-    """The commands that reproduce `job`'s metrics from a fresh clone (README install first)."""
-    py = ".venv/bin/python -m ess_jax.main"
+    """The commands that reproduce `job`'s metrics from a fresh clone (README install first),
+    each under `taskset` to as many CPUs as the run had (`cpus`)."""
+    n = cpus()
+    py = f"taskset -c {'0' if n == 1 else f'0-{n - 1}'} .venv/bin/python -m ess_jax.main"
     lines = [
         f"# Code: {code_version()} (check this commit out first: other code may differ).",
         "# From the root of a fresh clone after `bash tools/install.sh`; {workdir}: an empty dir.",
         "# The metrics land in {workdir}/run/metrics.jsonl (timing fields differ run to run).",
+        f"# CPUs: {n} (XLA:CPU's numbers depend on the CPUs a process may use: taskset below).",
         f'export XLA_FLAGS="{xla_flags(job.experiment)}"',
     ]
     for w in warm_jobs(job):
@@ -177,8 +189,8 @@ def compile_cache_env(runs: str) -> dict[str, str]:
     compiling the same sampler and step programs; a cached executable computes the same numbers
     (tests/test_reproduce.py checks a cached run against command.txt run without the cache).
     The size cap turns on jax's file lock, so two jobs never read a half-written entry."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": os.path.join(runs, "jax_cache"),
+    return {  # one cache per CPU count: an executable compiled under another count differs
+        "JAX_COMPILATION_CACHE_DIR": os.path.join(runs, f"jax_cache_{cpus()}cpu"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 * 2**30),

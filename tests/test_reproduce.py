@@ -161,6 +161,10 @@ def test_sweep_runs_skips_finished_and_command_txt_reproduces(tmp_path):
     assert "configs/mini/warm_start.py:policy --config.seed=0 --config.sft.steps=3" in command
     assert "--config.model.source={workdir}/warm/policy/seed0/hf" in command
     assert "intra_op_parallelism_threads=1" in command
+    # the CPUs the run had, which XLA:CPU's numbers depend on, and the rerun pinned to as many
+    n = reproduce.cpus()
+    pin = "0" if n == 1 else f"0-{n - 1}"
+    assert f"# CPUs: {n} " in command and f"taskset -c {pin} " in command
     # a second sweep finds nothing to do
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert "0 warm starts and 0 runs to go" in again.stdout, again.stdout + again.stderr
