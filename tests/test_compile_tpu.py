@@ -333,6 +333,7 @@ def test_planner_within_10_percent_of_every_committed_compile(monkeypatch):
         ("configs/paper/moe_qwen3_30b_a3b.py:p3o+replay,v5p-64", 2, None): (0.45, 0.60),
         ("configs/paper/moe_qwen3_30b_a3b.py:p3o+replay,v5p-64", 4, None): (0.25, 0.40),
         ("configs/paper/moe_qwen3_30b_a3b.py:p3o+replay,v5p-64", 6, None): (0.20, 0.35),
+        ("configs/paper/moe_qwen3_30b_a3b.py:p3o+replay,v5p-64", 8, None): (0.15, 0.28),
         ("configs/paper/e3_temperature_1p2.py:p3o,v5p-8", 4, "model.attention_impl=splash"): (
             0.30,
             0.40,
