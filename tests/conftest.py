@@ -65,6 +65,37 @@ def tiny_model_cfg(**overrides):
     return model.ModelConfig(**{**TINY_MODEL, **overrides})
 
 
+def assert_float32_close(actual, desired):
+    """Equal to float32 rounding: within 1e-6 of each value, and of the array's largest
+    magnitude (a gradient entry is a float32 sum over every token, rounded at that scale)."""
+    import numpy as np
+
+    desired = np.asarray(desired, np.float32)
+    scale = max(1.0, float(np.max(np.abs(desired), initial=0.0)))
+    np.testing.assert_allclose(np.asarray(actual), desired, rtol=1e-6, atol=1e-6 * scale)
+
+
+def learn_two_updates(cfg, params, mesh, objective, rollout, micro, seed, group, **packing):
+    """Two updates (train.updates_per_batch 2) of `micro` micro-batches each on `rollout` from
+    `params` (`packing`: UpdateConfig's pack_length / pack_by_tokens): the new params, the
+    metrics row and the Learner."""
+    import jax
+    import jax.numpy as jnp
+
+    from ess_jax.rl import steps
+    from ess_jax.rl import update as U
+    from ess_jax.rl.optim import make_optimizer
+
+    # eps 1: Adam's first steps stay linear in the gradient (eps ~0 would turn a rounding-level
+    # gradient entry into a whole +-lr step)
+    tx = make_optimizer({"lr": 0.1, "eps": 1.0, "max_grad_norm": 0.0, "schedule": "constant"})
+    state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
+    ucfg = U.UpdateConfig(cfg, objective, tx, micro, seed, group, **packing)
+    learner = U.Learner(ucfg, mesh, state_sh, updates_per_batch=2)
+    state, row = learner.learn(state, rollout, params, ref_params=params)
+    return jax.device_get(state.params), row, learner
+
+
 def synthetic_rollout(tokens, mask, prompt_len: int, group: int, seed: int, dropped=()):
     """A Rollout of the padded `tokens` / `mask` for the update tests: group advantages and
     behaviour log-probs near a random policy's, drawn from `seed`; the rows in `dropped` out of

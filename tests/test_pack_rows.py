@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import synthetic_rollout, tiny_model_cfg
+from conftest import assert_float32_close as _close
+from conftest import learn_two_updates, synthetic_rollout, tiny_model_cfg
 
 from ess_jax import objectives as O
 from ess_jax.config import schema
@@ -28,14 +29,6 @@ from ess_jax.model import decoder as model_lib
 from ess_jax.model import layers, scoring
 from ess_jax.rl import packed
 from ess_jax.rl import update as U
-
-
-def _close(actual, desired):
-    """Equal to float32 rounding: within 1e-6 of each value, and of the array's largest
-    magnitude (a gradient entry is a float32 sum over every token, rounded at that scale)."""
-    desired = np.asarray(desired, np.float32)
-    scale = max(1.0, float(np.max(np.abs(desired), initial=0.0)))
-    np.testing.assert_allclose(np.asarray(actual), desired, rtol=1e-6, atol=1e-6 * scale)
 
 
 def _padded(seed, b, p, t, vocab, short=False):
@@ -291,19 +284,11 @@ def test_one_microbatch_packed_equals_padded():
 
 
 def _learn(pack_length, objective, rollout, cfg, params, mesh):
-    """Two updates (train.updates_per_batch 2) of 2 micro-batches each on `rollout` from
-    `params`, padded (pack_length None) or packed: the new params and the metrics row."""
-    from ess_jax.rl import steps
-    from ess_jax.rl.optim import make_optimizer
-
-    # eps 1: Adam's first steps stay linear in the gradient (eps ~0 would turn a rounding-level
-    # gradient entry into a whole +-lr step)
-    tx = make_optimizer({"lr": 0.1, "eps": 1.0, "max_grad_norm": 0.0, "schedule": "constant"})
-    state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
-    ucfg = U.UpdateConfig(cfg, objective, tx, 2, SEED, G, pack_length)
-    learner = U.Learner(ucfg, mesh, state_sh, updates_per_batch=2)
-    state, row = learner.learn(state, rollout, params, ref_params=params)
-    return jax.device_get(state.params), row
+    """Two updates of 2 micro-batches each, padded (pack_length None) or packed."""
+    new, row, _ = learn_two_updates(
+        cfg, params, mesh, objective, rollout, 2, SEED, G, pack_length=pack_length
+    )
+    return new, row
 
 
 def test_learner_packed_equals_padded():

@@ -7,10 +7,10 @@ which rows share a micro-batch, so two updates of each must leave the same param
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import synthetic_rollout, tiny_model_cfg
+from conftest import assert_float32_close as _close
+from conftest import learn_two_updates, synthetic_rollout, tiny_model_cfg
 
 from ess_jax import objectives as O
 from ess_jax.config import schema
@@ -18,15 +18,8 @@ from ess_jax.config.defaults import base_config
 from ess_jax.data import packing
 from ess_jax.model import decoder as model_lib
 from ess_jax.parallel import sharding
-from ess_jax.rl import update as U
 
 G, P, T, BLOCKS = 4, 4, 6, 2
-
-
-def _close(actual, desired):
-    desired = np.asarray(desired, np.float32)
-    scale = max(1.0, float(np.max(np.abs(desired), initial=0.0)))
-    np.testing.assert_allclose(np.asarray(actual), desired, rtol=1e-6, atol=1e-6 * scale)
 
 
 def _batch(seed, b, vocab):
@@ -78,16 +71,9 @@ def test_regroup_holds_each_sequence_once_within_the_budget():
 
 
 def _learn(by_tokens, objective, rollout, cfg, params, mesh, m):
-    from ess_jax.rl import steps
-    from ess_jax.rl.optim import make_optimizer
-
-    tx = make_optimizer({"lr": 0.1, "eps": 1.0, "max_grad_norm": 0.0, "schedule": "constant"})
-    state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
-    pack = 2 * (P + T) if by_tokens else None
-    ucfg = U.UpdateConfig(cfg, objective, tx, m, 3, G, pack, by_tokens)
-    learner = U.Learner(ucfg, mesh, state_sh, updates_per_batch=2)
-    state, row = learner.learn(state, rollout, params, ref_params=params)
-    return jax.device_get(state.params), row, learner
+    """Two updates of `m` row micro-batches, padded, or cut by tokens from rows of 2 (P + T)."""
+    packing = {"pack_length": 2 * (P + T), "pack_by_tokens": True} if by_tokens else {}
+    return learn_two_updates(cfg, params, mesh, objective, rollout, m, 3, G, **packing)
 
 
 def test_token_microbatches_equal_padded():

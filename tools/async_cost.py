@@ -30,7 +30,6 @@ Do not time it next to other work on the machine.
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.util
 import json
 import os
@@ -60,6 +59,8 @@ def _args(argv=None):
 
 def _config(args, **fields):
     """--config=FILE[:ARG] with --set, no SFT or eval, `fields` ("section.leaf": value)."""
+    from ess_jax.config import names
+
     path, _, arm = args.config.partition(":")
     spec = importlib.util.spec_from_file_location("timed_config", path)
     mod = importlib.util.module_from_spec(spec)
@@ -67,19 +68,9 @@ def _config(args, **fields):
     c = mod.get_config(arm or None)
     c.sft.steps, c.eval.every = 0, 0
     c.train.steps, c.train.checkpoint_every = args.steps, args.steps
-    sets = {}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            sets[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            sets[key] = value  # a string
+    sets = {key: names.literal(value) for key, _, value in (s.partition("=") for s in args.set)}
     for key, value in {**sets, **fields}.items():  # the run's own mode fields win
-        *parents, leaf = key.split(".")
-        node = c
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
+        names.assign(c, key, value)
     return c
 
 

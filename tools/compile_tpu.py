@@ -80,25 +80,15 @@ def sliced(config, layers: int):
 def overridden(config, settings):
     """`config` with each "dotted.field=value" of `settings` set (the value a Python literal,
     else a string), checked as the run checks its config (`schema.check_rules`)."""
-    import ast
-
-    from ess_jax.config import schema
+    from ess_jax.config import names, schema
 
     for item in settings or ():
         field, eq, text = item.partition("=")
         if not eq:
             raise ValueError(f"--set {item!r}: not dotted.field=value")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-        *parents, leaf = field.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        if leaf not in node:
+        if names.lookup(names.as_dict(config), field) is names.MISSING:
             raise ValueError(f"--set {item!r}: config has no field {field!r}")
-        node[leaf] = value
+        names.assign(config, field, names.literal(text))
     schema.check_rules(config)
     return config
 

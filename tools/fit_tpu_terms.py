@@ -32,6 +32,7 @@ for path in (ROOT, os.path.join(ROOT, "tools")):
 
 import numpy as np  # noqa: E402
 
+from ess_jax.config import names  # noqa: E402
 from ess_jax.config.defaults import base_config  # noqa: E402
 from ess_jax.config.presets import KNOWN_MODELS  # noqa: E402
 from ess_jax.memory import planner, tpu_terms  # noqa: E402
@@ -59,11 +60,7 @@ def record_config(record: dict, folder: str):
     c = base_config()
     c.model.source = folder
     for key, value in record["config"].items():
-        *parents, leaf = key.split(".")
-        node = c
-        for p in parents:
-            node = node[p]
-        node[leaf] = tuple(value) if isinstance(value, list) else value
+        names.assign(c, key, tuple(value) if isinstance(value, list) else value)
     return c
 
 

@@ -83,6 +83,26 @@ def lookup(tree: Mapping, path: str):
     return tree
 
 
+def assign(config, path: str, value) -> None:
+    """Sets the field at the dotted `path` of `config` (a ConfigDict or nested dicts)."""
+    *parents, leaf = path.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+
+
+def literal(text: str):
+    """A command line's VALUE of FIELD=VALUE: a Python literal (True, 3, 0.5, 'a', (1, 2)),
+    else the text itself as a string."""
+    import ast
+
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def alias(tree: Mapping, path: str) -> str | None:
     """The field of `tree` (a config as a dict) that ALIASES says `path` means, or None."""
     parts = path.split(".")

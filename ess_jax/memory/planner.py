@@ -53,7 +53,7 @@ from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the 
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import experiment, lora_policy
+from ess_jax.rl import experiment, lora_policy, packed
 
 
 def abstract_mesh(sizes: dict) -> AbstractMesh:
@@ -85,12 +85,6 @@ def model_config(mcfg) -> model_lib.ModelConfig:
             f"{sorted(KNOWN_MODELS)}"
         )
     return weights.config_from_hf(hf).replace(**experiment.trainer_settings(mcfg))
-
-
-def by_tokens(config) -> bool:
-    """Whether the run's micro-batches are cut by tokens (train.pack_microbatches)."""
-    t = config.train
-    return bool(t.get("pack_rows", False)) and t.get("pack_microbatches", "rows") == "tokens"
 
 
 @dataclasses.dataclass
@@ -233,7 +227,7 @@ def plan(
     seq_len = prompt_len + r.max_new_tokens
     rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch // t.num_microbatches
     scored = r.max_new_tokens
-    if by_tokens(config):  # a micro-batch: one packed row per device, the LM head on all of it
+    if packed.by_tokens(config):  # one packed row per device, the LM head on all of it
         rows = amesh.shape["data"] * amesh.shape["fsdp"]
         seq_len = scored = int(t.pack_length) or seq_len
     full_kl = config.objective.get("kl_estimator") == "full"

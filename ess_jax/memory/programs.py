@@ -237,7 +237,7 @@ def run_programs(config, mesh) -> list[Program]:
     length = prompt + r.max_new_tokens
     rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch
     batch, m, key, pack_length = _batch(rows, prompt, length, mesh), t.num_microbatches, None, None
-    if planner.by_tokens(config):
+    if packed.by_tokens(config):
         pack_length = int(t.pack_length)
         batch, m = token_batch(rows, prompt, length, pack_length, mesh)
         key = m

@@ -46,6 +46,13 @@ INDEX = "pack_index"
 MICRO = "pack_micro"
 
 
+def by_tokens(config) -> bool:
+    """Whether a run's micro-batches are cut by tokens (train.pack_microbatches "tokens", with
+    train.pack_rows)."""
+    t = config.train
+    return bool(t.get("pack_rows", False)) and t.get("pack_microbatches", "rows") == "tokens"
+
+
 def length_for(pack_length: int, width: int) -> int:
     """The packed rows' length: train.pack_length, or with 0 the padded rows' width P + T."""
     return pack_length or width
@@ -169,6 +176,11 @@ def score_fn(cfg, prompt_len: int, mesh, num_chunks: int):
         return scoring.unpack(lp_KxRxS, index, valid)
 
     return jax.jit(sharding_lib.under_mesh(score, mesh))
+
+
+def pad_shares(rows: packing.PackedRows, mask_BxL) -> dict:
+    """The metrics row's pad shares of the packed rows and of the padded ones."""
+    return {"pad_frac_packed": rows.pad_share, "pad_frac_padded": padded_share(mask_BxL)}
 
 
 def padded_share(mask_BxL) -> float:

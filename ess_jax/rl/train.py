@@ -35,6 +35,7 @@ from ess_jax.rl import (
     experiment,
     groups,
     lora_policy,
+    packed,
     preemption,
     steps,
 )
@@ -135,7 +136,7 @@ class Run:
             config.seed,
             int(self.rollout_cfg.group_size),
             t.pack_length if t.pack_rows else None,
-            t.pack_rows and t.get("pack_microbatches", "rows") == "tokens",
+            packed.by_tokens(config),
         )
         full = FullKL.for_run(  # None unless objective.kl_estimator "full"
             self.objective_cfg,

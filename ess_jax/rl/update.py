@@ -216,8 +216,7 @@ class Learner:
         ucfg, m, blocks = self.ucfg, self.ucfg.num_microbatches, self._row_blocks()
         order = packed.row_order(ucfg.seed, step, ucfg.objective, m, tokens.shape[0], blocks)
         pk = packed.pack(tokens, mask, prompt_len, ucfg.pack_length, m, blocks, order)
-        shares = {"pad_frac_packed": pk.pad_share, "pad_frac_padded": packed.padded_share(mask)}
-        return {**rows, **packed.update_arrays(pk)}, shares
+        return {**rows, **packed.update_arrays(pk)}, packed.pad_shares(pk, mask)
 
     def _token_microbatches(self, rows, tokens, mask, prompt_len: int):
         """train.pack_microbatches "tokens": an update's rows regrouped into micro-batches of
@@ -227,8 +226,7 @@ class Learner:
         blocks = self._row_blocks()
         rg, pk = packed.regroup(tokens, mask, prompt_len, self.ucfg.pack_length, blocks)
         rows = packed.regroup_rows(rows, rg, self.mesh)
-        shares = {"pad_frac_packed": pk.pad_share, "pad_frac_padded": packed.padded_share(mask)}
-        return {**rows, **packed.update_arrays(pk)}, shares, rg.num_micro
+        return {**rows, **packed.update_arrays(pk)}, packed.pad_shares(pk, mask), rg.num_micro
 
 
 def routing_flip_share(differs_BxTxLs, r: rollout_lib.Rollout) -> float:
