@@ -1,16 +1,20 @@
-"""Packed rows (train.pack_rows) against padded rows on the CPU: one RL update of P3O
-(`update.Learner.learn`: the pi_prox scoring pass, the host-side packing and the optimizer
-update), both layouts alternating on one rollout, so both see the same machine load.
+"""Packed rows (train.pack_rows; micro-batches by rows and by tokens) against padded rows on the
+CPU: one RL update of P3O (`update.Learner.learn`: the pi_prox scoring pass, the host-side
+packing and the optimizer update), the three layouts alternating on one rollout, so all see
+the same machine load.
 
 The rollout is synthetic: B = prompts x G rows, prompts of 1 .. `prompt` tokens left-padded to
 `prompt`, responses long-tailed as RL responses are (lognormal, median `gen` / 4, cut at
 `gen`; a few reach `gen`, so the padded rows are P + gen wide). Reported per layout: trained
 tokens per second (the loss mask's tokens / the update's seconds, median over repeats) and the
-pad share (the positions of the rows the forwards run on that hold no token); then their
-ratio, and the largest relative difference between the two layouts' metrics (float32
-rounding: a check, not a timing).
+pad share (the positions of the rows the forwards run on that hold no token); then each packed
+layout's tokens/s over the padded one's, and the largest relative difference between its
+metrics and the padded update's (float32 rounding: a check, not a timing). `--micro M` cuts
+the padded and the packed-by-rows update into M micro-batches of rows; the by-tokens one
+sets its own count.
 
-    python -m bench.packing [--tiny] [--set dim=256] [--rows 32] [--prompt 32] [--gen 256]
+    python -m bench.packing [--tiny] [--set dim=256] [--rows 32] [--prompt 32] [--gen 256] \
+        [--micro 4]
     python -m bench.packing --plan --rows 1024 --micro 64 --devices 4 --prompt 1024 --gen 4096
 
 `--plan` builds no model and runs no update: it prints the pad shares of the packing plan alone
@@ -68,18 +72,28 @@ def rollout(vocab: int, rows: int, prompt: int, gen: int, seed: int = 0) -> Roll
     )
 
 
-def measure(s: Sizes, rows: int, prompt: int, gen: int, repeats: int) -> dict:
-    """Tokens/s and pad share of the padded and the packed update (module docstring)."""
+LAYOUTS = {  # name: (train.pack_rows' pack_length or None, micro-batches cut by tokens)
+    "padded": (None, False),
+    "packed": (0, False),
+    "packed_by_tokens": (0, True),
+}
+
+
+def measure(s: Sizes, rows: int, prompt: int, gen: int, repeats: int, micro: int = 1) -> dict:
+    """Tokens/s and pad share of each layout's update (module docstring), `micro` row
+    micro-batches for the padded and the packed one (the by-tokens one sets its own)."""
     cfg = dataclasses.replace(model_config(s), dtype="float32")  # the CPU's fast dtype
     mesh = one_device_mesh()
     params = model_lib.init_params(cfg, 0, model_lib.param_shardings(cfg, mesh))
     batch = rollout(s.vocab, rows, prompt, gen)
     tx = make_optimizer(OPTIM)
     sides = {}
-    for name, pack_length in (("padded", None), ("packed", 0)):
+    for name, (pack_length, by_tokens) in LAYOUTS.items():
         state, state_sh = steps.init_state(jax.tree.map(jnp.copy, params), tx, mesh)
         objective = obj_lib.paper_config("p3o")
-        ucfg = update_lib.UpdateConfig(cfg, objective, tx, 1, 0, GROUP, pack_length)
+        ucfg = update_lib.UpdateConfig(
+            cfg, objective, tx, micro, 0, GROUP, pack_length, pack_by_tokens=by_tokens
+        )
         sides[name] = [update_lib.Learner(ucfg, mesh, state_sh), state]
 
     def once(name):
@@ -96,35 +110,47 @@ def measure(s: Sizes, rows: int, prompt: int, gen: int, repeats: int) -> dict:
         for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
             seconds[name].append(once(name)[0])
     tokens = float(batch.loss_mask.sum())
-    mask = np.asarray(batch.attn_mask)
-    pk = packed.pack(batch.tokens, mask, prompt, 0, 1, 1)
     out = {
         "rows": rows,
+        "micro": micro,
         "trained_tokens": tokens,
-        "pad_share": {"padded": packed.padded_share(mask), "packed": pk.pad_share},
-        "positions": {"padded": int(mask.size), "packed": int(pk.segments.size)},
+        **shares(batch, prompt, 0, micro, 1),
         "seconds": {name: statistics.median(v) for name, v in seconds.items()},
     }
     out["tokens_per_s"] = {name: tokens / t for name, t in out["seconds"].items()}
-    out["packed_vs_padded"] = out["tokens_per_s"]["packed"] / out["tokens_per_s"]["padded"]
-    # each metric's difference over max(1, |its padded value|), the largest and its key
-    diffs = {k: abs(first["packed"][k] - v) / max(1.0, abs(v)) for k, v in first["padded"].items()}
-    worst = max(diffs, key=diffs.get)
-    out["max_metric_diff"] = {"metric": worst, "relative": diffs[worst]}
+    for name in ("packed", "packed_by_tokens"):
+        out[f"{name}_vs_padded"] = out["tokens_per_s"][name] / out["tokens_per_s"]["padded"]
+    # per layout, each metric's difference from the padded one's over max(1, |padded|): the
+    # largest and its key
+    out["max_metric_diff"] = {}
+    for name in ("packed", "packed_by_tokens"):
+        diffs = {
+            k: abs(first[name][k] - v) / max(1.0, abs(v)) for k, v in first["padded"].items()
+        }
+        worst = max(diffs, key=diffs.get)
+        out["max_metric_diff"][name] = {"metric": worst, "relative": diffs[worst]}
     return out
 
 
 def plan(rows: int, micro: int, devices: int, prompt: int, gen: int, pack_length: int) -> dict:
     """The pad shares of the padded and the packed layout of one synthetic batch (`--plan`)."""
     batch = rollout(2, rows, prompt, gen)
-    mask = np.asarray(batch.attn_mask)
-    pk = packed.pack(batch.tokens, mask, prompt, pack_length, micro, devices)
-    rg, by_tokens = packed.regroup(batch.tokens, mask, prompt, pack_length, devices)
     return {
         "rows": rows,
         "micro": micro,
         "devices": devices,
         "pack_length": packed.length_for(pack_length, prompt + gen),
+        **shares(batch, prompt, pack_length, micro, devices),
+    }
+
+
+def shares(batch: Rollout, prompt: int, pack_length: int, micro: int, devices: int) -> dict:
+    """The pad share and positions of `batch` padded, packed by rows (`micro` micro-batches on
+    `devices` device blocks) and packed by tokens, and the by-tokens micro-batch count."""
+    mask = np.asarray(batch.attn_mask)
+    pk = packed.pack(batch.tokens, mask, prompt, pack_length, micro, devices)
+    rg, by_tokens = packed.regroup(batch.tokens, mask, prompt, pack_length, devices)
+    return {
         "pad_share": {
             "padded": packed.padded_share(mask),
             "packed": pk.pad_share,
@@ -149,7 +175,7 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a width-32 model and a few tokens")
     p.add_argument("--json", metavar="FILE", help="also write the numbers here")
     p.add_argument("--plan", action="store_true", help="the packing plan's pad shares only")
-    p.add_argument("--micro", type=int, default=1, help="--plan: micro-batches")
+    p.add_argument("--micro", type=int, default=1, help="row micro-batches")
     p.add_argument("--devices", type=int, default=1, help="--plan: device blocks")
     p.add_argument("--pack_length", type=int, default=0, help="--plan: 0 is prompt + gen")
     a = p.parse_args(argv)
@@ -161,7 +187,7 @@ def main(argv=None):
     if a.tiny:
         kw = {"dim": 32, "mlp": 64, "layers": 1, "heads": 4, "kv_heads": 2, "vocab": 64, **kw}
         a.rows, a.prompt, a.gen, a.repeats = 8, 4, 16, 1
-    out = measure(Sizes(**kw), a.rows, a.prompt, a.gen, a.repeats)
+    out = measure(Sizes(**kw), a.rows, a.prompt, a.gen, a.repeats, a.micro)
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w") as f:

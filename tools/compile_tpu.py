@@ -335,7 +335,10 @@ def main(argv=None) -> int:
             if args.role != "fit":  # tools/fit_tpu_terms.py: a check of its fit, never fitted
                 record["role"] = args.role
         except (TopologyError, ValueError) as e:  # a topology, arm or program name
-            raise UserError(str(e)) from e
+            hint = ""
+            if args.topology and "devices, have" in str(e):  # the preset's mesh, another size
+                hint = " (--topology: give the mesh its device count, e.g. --set mesh.data=-1)"
+            raise UserError(f"{e}{hint}") from e
     except UserError as e:
         user_exit(e)
     print(markdown_table([record]))
