@@ -124,9 +124,7 @@ def measure(s: Sizes, rows: int, prompt: int, gen: int, repeats: int, micro: int
     # largest and its key
     out["max_metric_diff"] = {}
     for name in ("packed", "packed_by_tokens"):
-        diffs = {
-            k: abs(first[name][k] - v) / max(1.0, abs(v)) for k, v in first["padded"].items()
-        }
+        diffs = {k: abs(first[name][k] - v) / max(1.0, abs(v)) for k, v in first["padded"].items()}
         worst = max(diffs, key=diffs.get)
         out["max_metric_diff"][name] = {"metric": worst, "relative": diffs[worst]}
     return out
