@@ -296,41 +296,26 @@ def run_programs(config, mesh) -> list[Program]:
                            (sft_state, sft_batch), sft_held + _bytes(sft_batch)
                            + sum(terms.values()), beside_train))  # fmt: skip
 
-    sample_sh = model_lib.param_shardings(policy_cfg, mesh, "sample")
-    # the reshard's all-gather buffers (the TPU compiler's second copy; XLA:CPU's: not measured)
-    buffers = tpu_terms.reshard_buffers(policy_cfg, amesh) if tpu_terms.is_tpu(device) else 0.0
-    sample_params = abstract(model_lib.abstract_params(policy_cfg), sample_sh)
-
     def weights_for(precision: str):
         """(weights(compiled), bytes): the sampler's abstract weights in `precision`, and the
-        program that makes them added to `out` (once per format)."""
-        if rank:
-            name = f"lora_merge/{precision}"
-            fn, args = lora_policy.merge_fn(cfg, mesh, "sample", precision), (frozen, trained)
-        elif precision == "float32":
-            name, fn, args = "reshard", jax.jit(lambda p: p, out_shardings=sample_sh), (params,)
-        else:
-            name = f"sampler_copy/{precision}"
-            fn, args = precision_lib.prepare_fn(precision), (sample_params,)
+        programs that make them added to `out` (once per format)."""
+        if not rank:
+            made, weights, w_bytes = layout_programs(
+                "", policy_cfg, params, mesh, amesh, precision, resident
+            )
+            out.extend(p for p in made if not any(q.name == p.name for q in out))
+            return weights, w_bytes
+        name = f"lora_merge/{precision}"
+        fn, args = lora_policy.merge_fn(cfg, mesh, "sample", precision), (frozen, trained)
         copy = jax.eval_shape(fn, *args)
-        copy_bytes = (
-            planner.sampler_copy_bytes(policy_cfg, amesh, precision)
-            if precision != "float32"
-            else _bytes(sample_params)
-        )
-        # beside a program that reads the train params: the rest of the resident state (AdamW
-        # moments, history, ...); beside the sampler copy (it reads the sample layout): all of it
-        beside = resident - _bytes(params) if name != f"sampler_copy/{precision}" else resident
-        if not any(p.name == name for p in out):
-            extra = buffers if name == "reshard" else 0.0
-            out.append(Program(name, fn, args, _bytes(args) + copy_bytes + extra, beside))
-        if name == "reshard":
-            return (lambda compiled: sample_params), copy_bytes
-        if name.startswith("sampler_copy") and not any(p.name == "reshard" for p in out):
-            move = jax.jit(lambda p: p, out_shardings=sample_sh)
-            out.append(Program("reshard", move, (params,), _bytes(params) + _bytes(sample_params)
-                               + buffers, resident - _bytes(params)))  # fmt: skip
-        return (lambda compiled: abstract(copy, compiled[name].output_shardings)), copy_bytes
+        if precision == "float32":  # the sample-layout params
+            sample_sh = model_lib.param_shardings(policy_cfg, mesh, "sample")
+            w_bytes = _bytes(abstract(model_lib.abstract_params(policy_cfg), sample_sh))
+        else:
+            w_bytes = planner.sampler_copy_bytes(policy_cfg, amesh, precision)
+        if not any(p.name == name for p in out):  # beside it: the state but the train params
+            out.append(Program(name, fn, args, _bytes(args) + w_bytes, resident - _bytes(params)))
+        return (lambda compiled: abstract(copy, compiled[name].output_shardings)), w_bytes
 
     calls = int(r.get("sample_microbatches", 1))
     n_ext = round(r.external_fraction * r.group_size) if r.external_fraction > 0 else 0
@@ -350,6 +335,30 @@ def run_programs(config, mesh) -> list[Program]:
     return out
 
 
+def layout_programs(prefix, cfg, params, mesh, amesh, precision: str, resident: float):
+    """(programs, weights(compiled), bytes): what takes a model's train-layout `params` to the
+    sampler's weights in `precision`: `{prefix}reshard` (train -> sample layout, beside the
+    resident state but the train params) and, unless float32, `{prefix}sampler_copy/<format>`
+    (beside all of it); the weights' abstract arrays from the compiled programs, and their
+    planned bytes."""
+    sample_sh = model_lib.param_shardings(cfg, mesh, "sample")
+    sample = abstract(model_lib.abstract_params(cfg), sample_sh)
+    # the reshard's all-gather buffers (the TPU compiler's second copy; XLA:CPU's: not measured)
+    tpu = tpu_terms.is_tpu(device_of(mesh))
+    buffers = tpu_terms.reshard_buffers(cfg, amesh) if tpu else 0.0
+    move = jax.jit(lambda p: p, out_shardings=sample_sh)
+    out = [Program(f"{prefix}reshard", move, (params,), _bytes(params) + _bytes(sample) + buffers,
+                   resident - _bytes(params))]  # fmt: skip
+    if precision == "float32":
+        return out, (lambda compiled: sample), _bytes(sample)
+    name = f"{prefix}sampler_copy/{precision}"
+    fn = precision_lib.prepare_fn(precision)
+    w_bytes = planner.sampler_copy_bytes(cfg, amesh, precision)
+    out.append(Program(name, fn, (sample,), _bytes(sample) + w_bytes, resident))
+    copy = jax.eval_shape(fn, sample)
+    return out, (lambda compiled: abstract(copy, compiled[name].output_shardings)), w_bytes
+
+
 def external_programs(config, mesh, amesh, prompt: int, n: int, kv: str, resident: float):
     """The external behaviour model's programs (rollout.external_checkpoint, E7): its params
     stay in the train layout (rl/train.py loads them so), and each rollout gathers them to the
@@ -360,25 +369,9 @@ def external_programs(config, mesh, amesh, prompt: int, n: int, kv: str, residen
     ecfg = planner.model_config(experiment.with_source(config.model, r.external_checkpoint))
     precision = str(r.external_precision)
     params = abstract(model_lib.abstract_params(ecfg), model_lib.param_shardings(ecfg, mesh))
-    sample_sh = model_lib.param_shardings(ecfg, mesh, "sample")
-    sample = abstract(model_lib.abstract_params(ecfg), sample_sh)
-    tpu = tpu_terms.is_tpu(device_of(mesh))
-    buffers = tpu_terms.reshard_buffers(ecfg, amesh) if tpu else 0.0
-    move = jax.jit(lambda p: p, out_shardings=sample_sh)
-    out = [Program("external/reshard", move, (params,), _bytes(params) + _bytes(sample) + buffers,
-                   resident - _bytes(params))]  # fmt: skip
-    if precision == "float32":
-        weights, w_bytes = (lambda compiled: sample), _bytes(sample)
-    else:
-        name = f"external/sampler_copy/{precision}"
-        fn = precision_lib.prepare_fn(precision)
-        w_bytes = planner.sampler_copy_bytes(ecfg, amesh, precision)
-        out.append(Program(name, fn, (sample,), _bytes(sample) + w_bytes, resident))
-        copy = jax.eval_shape(fn, sample)
-
-        def weights(compiled):
-            return abstract(copy, compiled[name].output_shardings)
-
+    out, weights, w_bytes = layout_programs(
+        "external/", ecfg, params, mesh, amesh, precision, resident
+    )
     prompts = config.data.prompts_per_step // int(r.get("sample_microbatches", 1))
     out += sampler_programs("external", ecfg, weights, w_bytes, mesh, prompts, n, prompt,
                             r.max_new_tokens, r.temperature, precision, kv, amesh,
