@@ -53,7 +53,7 @@ def get_config(arg: str | None = None):
             " (or none: lr 1e-6)"
         )
     tiny = arg.startswith("tiny_")
-    arm = arg[len("tiny_"):] if tiny else arg
+    arm = arg[len("tiny_") :] if tiny else arg
     if arm not in ARMS:
         raise ValueError(
             f"unknown arm {arg!r}; this file's arms: {', '.join(ARMS)} (or tiny_<arm>)"

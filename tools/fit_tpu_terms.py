@@ -1,19 +1,19 @@
 """Fits the train step's coefficients of ess_jax/memory/tpu_terms.py (TPU_COEF's update, stash,
-embedding, logits) to the TPU compiler's RL steps, and prints them with each compile's error
-in sample and left out of the fit:
+embedding, logits, experts) to the TPU compiler's RL steps, and prints them with each compile's
+error in sample and left out of the fit:
 
     .venv/bin/python tools/fit_tpu_terms.py
 
-Reads the `rl_step` of every dense model's record in results/tpu/ (paper configs,
-tools/compile_tpu.py; the mixture-of-experts records are left out) and
+Reads the `rl_step` of every record in results/tpu/ (paper configs, tools/compile_tpu.py) and
 results/tpu_fit/ (smaller models: `model` is the config.json over `model_base`, `config` the
-dotted settings over config/defaults.py's base_config; `role` "fit" or "held-out"). Per compile,
-each term's basis is the planner's train-step term (planner.plan on the record's device and
-device count) over its coefficient, and the target the compiler's bytes less the step's
-arguments (its outputs alias them): the bytes the terms stand for. A least-squares fit weighted
-by 1 / target (relative errors) over the "fit" compiles; a held-out compile is not fitted.
-Errors are (arguments + the terms at the coefficients - compiler) / compiler. Plans only,
-compiles nothing (seconds).
+dotted settings over config/defaults.py's base_config); a record's `role` is "fit" (the
+default) or "held-out". Per compile, each term's basis is the planner's train-step term
+(planner.plan on the record's device and device count) over its coefficient, and the target
+the compiler's bytes less the step's arguments (its outputs alias them): the bytes the terms
+stand for. Least squares weighted by 1 / target (relative errors) over the "fit" compiles: the
+four dense terms over the dense models' steps, then `experts` over the mixture-of-experts
+ones, the dense four fixed; a held-out compile is not fitted. Errors are (arguments + the
+terms at the coefficients - compiler) / compiler. Plans only, compiles nothing (seconds).
 
 `--phases` fits, instead, the step as a peak over two phases, over every RL step (the
 mixture-of-experts slices and the held-out compiles included): arguments + update + stash +
@@ -52,7 +52,9 @@ TERMS = {
     "stash": "activations (remat: block inputs)",
     "embedding": "embedding (gathered, its gradient)",
     "logits": "logits",
+    "experts": "expert stacks (float32, whole over fsdp)",
 }
+DENSE = ("update", "stash", "embedding", "logits")  # fitted together over the dense steps
 
 
 def record_config(record: dict, folder: str):
@@ -73,12 +75,12 @@ def record_config(record: dict, folder: str):
     return c
 
 
-def step_row(record: dict, moe: bool = False) -> tuple[dict, float, float] | None:
+def step_row(record: dict) -> tuple[dict, float, float]:
     """(bases, target, arguments) of `record`'s RL step, per device (module docstring), the
-    bases with the phase model's `attention` and `feed_forward` (`--phases`); None for a
-    mixture-of-experts model unless `moe`: the terms are a dense model's (docs/memory.md
-    states the planner's miss on the Qwen3-30B-A3B records). The planner's train-step terms
-    that are not fitted here count with the arguments, as fixed bytes."""
+    bases with the phase model's `attention` and `feed_forward` (`--phases`); a term the
+    planner leaves out of this step (an untied model's embedding, a dense model's experts)
+    has basis 0. The planner's train-step terms that are not fitted here count with the
+    arguments, as fixed bytes."""
     import compile_tpu
 
     device = record["topology"].split(":")[0]  # v5e:2x4 -> v5e, a key of presets.HBM
@@ -87,12 +89,10 @@ def step_row(record: dict, moe: bool = False) -> tuple[dict, float, float] | Non
         if record.get("layers"):  # compiled with --layers: the planner plans the same slice
             config = compile_tpu.sliced(config, record["layers"])
         cfg = planner.model_config(config.model)
-        if not moe and any(cfg.is_sparse(i) for i in range(cfg.num_layers)):
-            return None
         plan = planner.plan(config, record["devices"], device)
         mesh = planner.abstract_mesh(sharding.mesh_shape(dict(config.mesh), record["devices"]))
     step_terms = plan.phases["train step"]
-    bases = {k: step_terms[name] / tpu_terms.TPU_COEF[k] for k, name in TERMS.items()}
+    bases = {k: step_terms.get(name, 0.0) / tpu_terms.TPU_COEF[k] for k, name in TERMS.items()}
     fixed = sum(v for name, v in step_terms.items() if name not in TERMS.values())
     b = np.dtype(cfg.compute_dtype).itemsize
     tokens = bases["stash"] / (cfg.num_layers * cfg.hidden_size * b)  # r T of a micro-batch
@@ -105,11 +105,8 @@ def step_row(record: dict, moe: bool = False) -> tuple[dict, float, float] | Non
     return bases, step["compiler_bytes"] - arguments, arguments
 
 
-def read_rows(
-    root: str = ROOT, moe: bool = False
-) -> list[tuple[str, str, dict, float, float, float]]:
-    """(name, role, bases, target, arguments, compiler bytes) of every committed RL step (of a
-    mixture-of-experts model too when `moe`)."""
+def read_rows(root: str = ROOT) -> list[tuple[str, str, dict, float, float, float]]:
+    """(name, role, bases, target, arguments, compiler bytes) of every committed RL step."""
     rows = []
     for folder in ("tpu", "tpu_fit"):
         for path in sorted(glob.glob(os.path.join(root, "results", folder, "*.json"))):
@@ -117,10 +114,7 @@ def read_rows(
                 record = json.load(f)
             if "rl_step" not in record["programs"]:
                 continue
-            row = step_row(record, moe)
-            if row is None:
-                continue
-            bases, target, args = row
+            bases, target, args = step_row(record)
             name = os.path.relpath(path, os.path.join(root, "results"))
             comp = record["programs"]["rl_step"]["compiler_bytes"]
             rows.append((name, record.get("role", "fit"), bases, target, args, comp))
@@ -128,12 +122,17 @@ def read_rows(
 
 
 def fit(rows) -> dict[str, float]:
-    """Least squares of the targets over the bases, weighted by 1 / target."""
-    a = np.array([[b[k] for k in TERMS] for _, _, b, t, _, _ in rows]) / np.array(
-        [[t] for *_, t, _, _ in rows]
-    )
-    x = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)[0]
-    return dict(zip(TERMS, x.tolist()))
+    """Least squares of the targets over the bases, weighted by 1 / target: DENSE's over the
+    dense steps, then `experts` over the mixture-of-experts ones with DENSE's fixed (0
+    without any)."""
+    dense = [r for r in rows if not r[2]["experts"]]
+    a = np.array([[r[2][k] for k in DENSE] for r in dense]) / np.array([[r[3]] for r in dense])
+    coef = dict(zip(DENSE, np.linalg.lstsq(a, np.ones(len(dense)), rcond=None)[0].tolist()))
+    moe = [r for r in rows if r[2]["experts"]]
+    x = np.array([r[2]["experts"] / r[3] for r in moe])
+    rest = np.array([(r[3] - sum(coef[k] * r[2][k] for k in DENSE)) / r[3] for r in moe])
+    coef["experts"] = float(x @ rest / (x @ x)) if moe else 0.0
+    return coef
 
 
 def error(row, coef: dict) -> float:
@@ -190,7 +189,7 @@ def main(argv=None) -> int:
     parser.add_argument("--phases", action="store_true", help="fit the phase model instead")
     if parser.parse_args(argv).phases:
         # the one-layer tiling record is left out, as the planner's docs leave it
-        print_phases([r for r in read_rows(moe=True) if "width_512" not in r[0]])
+        print_phases([r for r in read_rows() if "width_512" not in r[0]])
         return 0
     rows = read_rows()
     used = [r for r in rows if r[1] == "fit"]

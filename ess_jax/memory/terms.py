@@ -17,7 +17,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import layers, lora, quant
+from ess_jax.model import layers, lora, moe, quant
 from ess_jax.sampling.decode import decode_bounds
 
 # XLA's bytes per unit of each term (module docstring): fitted to `compiled.memory_analysis()`
@@ -118,14 +118,26 @@ def embedding_bytes(cfg, mesh, dtype) -> int:
 def block_bytes(cfg, mesh, dtype, mode: str = "train") -> int:
     """Per-device bytes of the seven block matrices of every layer in `dtype`, in the `train`
     or `sample` layout."""
+    return named_bytes(cfg, mesh, dtype, mode, quant.INPUT_AXES)
+
+
+def expert_bytes(cfg, mesh, dtype, mode: str = "train") -> int:
+    """Per-device bytes of every sparse layer's expert stacks (model/moe.py's EXPERT_MATRICES)
+    in `dtype`, in the `train` or `sample` layout; 0 on a dense model."""
+    return named_bytes(cfg, mesh, dtype, mode, moe.EXPERT_MATRICES)
+
+
+def named_bytes(cfg, mesh, dtype, mode: str, names) -> int:
+    """Per-device bytes, in `dtype` and the `mode` layout, of the params whose name is in
+    `names`."""
     flat = jax.tree_util.tree_leaves_with_path(model_lib.abstract_params(cfg))
     shardings = jax.tree.leaves(model_lib.param_shardings(cfg, mesh, mode))
-    blocks = [
+    chosen = [
         (jax.ShapeDtypeStruct(x.shape, dtype), s)
         for (path, x), s in zip(flat, shardings)
-        if getattr(path[-1], "key", None) in quant.INPUT_AXES
+        if getattr(path[-1], "key", None) in names
     ]
-    return tree_bytes([x for x, _ in blocks], [s for _, s in blocks])
+    return tree_bytes([x for x, _ in chosen], [s for _, s in chosen])
 
 
 def trainable(cfg, tree):

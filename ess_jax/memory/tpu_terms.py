@@ -39,6 +39,10 @@ TPU_COEF = {
     "stash": 1.78,  # x L r T D b: every layer's block input, and the buffers of its gradient
     "embedding": 2.90,  # x the embedding's float32 bytes (tensor-split): gathered copy, gradient
     "logits": 2.53,  # x r C V 4: an LM-head chunk's float32 logits and their gradient
+    # mixture of experts: x every sparse layer's expert stacks in float32, split over "expert"
+    # only; the same fit's one coefficient over the Qwen3-30B-A3B 2- and 8-layer slices, the
+    # dense coefficients fixed (their 4- and 6-layer slices held out)
+    "experts": 1.37,
     # sampler: fitted by hand to the E3 v5p-8 record's sampler programs (their errors there
     # are in sample)
     "prefill_attn": 0.6,  # x uniq KV P C 4: the prefill's float32 attention scores
@@ -144,8 +148,13 @@ def lookup_table(cfg, mesh, precision: str) -> float:
 def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
     """terms.train_terms on a TPU (same arguments), per device, with `model.remat` (every
     paper arm): the gradient state, the block inputs of every layer (the compiler's remat:
-    no layer's gathered weights or activations outlive its backward), the gathered embedding
-    and its gradient, one LM-head chunk's logits. One layer's recomputed attention and
+    no layer's gathered weights or activations outlive its backward), one LM-head chunk's
+    logits and, with tied embeddings, the shared table gathered with its float32 gradient
+    (the lookup's and the LM head's, whole: an untied model's Qwen3-4B widths compile 2.4 GB
+    of temporaries below the tied one's, results/tpu_fit/, with more arguments); on a
+    mixture-of-experts model every sparse layer's expert stacks in float32, whole over
+    "fsdp" (the Qwen3-30B-A3B slices grow by 0.8 GB a layer where update and stash give 0.4:
+    a fitted count, not a buffer read off the dumps). One layer's recomputed attention and
     feed-forward activations are at the peak too (a [r, H, C, T] float32 score buffer and its
     gradient in Qwen3-4B's), yet take no weight of their own in the fit: the other terms'
     coefficients absorb them and the allocator's fragmentation (memory_analysis's temporaries
@@ -163,9 +172,13 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     out = {
         "update": k["update"] * terms.trained_bytes(cfg, mesh),
         "activations (remat: block inputs)": k["stash"] * cfg.num_layers * r * t * d * b,
-        "embedding (gathered, its gradient)": k["embedding"] * embedding,
-        "logits": k["logits"] * r * c_head * v * 4,
     }
+    if cfg.tie_embeddings:  # the shared table's float32 gradient, whole (docstring)
+        out["embedding (gathered, its gradient)"] = k["embedding"] * embedding
+    out["logits"] = k["logits"] * r * c_head * v * 4
+    experts = terms.expert_bytes(cfg, mesh, np.float32, "sample")  # whole over fsdp
+    if experts:
+        out["expert stacks (float32, whole over fsdp)"] = k["experts"] * experts
     if full_kl_models:  # as terms.train_terms counts it
         out["full KL re-score"] = terms.COEF["full_kl"] * full_kl_models * r * c_head * v * 4
     return out
