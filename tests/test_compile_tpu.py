@@ -324,22 +324,29 @@ def test_planner_within_10_percent_of_every_committed_compile(monkeypatch):
     (every record replanned: a planner change left without --replan)."""
     records = compile_tpu.read_records()
     assert len(records) >= 5
-    # The planner's known miss, stated in docs/tpu.md, pinned to the band it is reported in:
-    # the E3 step with splash attention (the fitted terms hold the einsum path's scores,
-    # which splash never writes, where they set the step's peak).
+    # The planner's known misses, stated in docs/tpu.md, pinned to the band each is reported
+    # in: the E3 step with splash attention (the fitted terms hold the einsum path's scores,
+    # which splash never writes, where they set the step's peak), and E5's decode segments
+    # (held out: the fp8 sampler's temporaries jump from 0.7 to 2.8 GB at the 4096 segment;
+    # eval's float32 weights get no hoisted bfloat16 copy, which E3's eval does get).
+    splash = ("configs/paper/e3_temperature_1p2.py:p3o,v5p-8", 4, "model.attention_impl=splash")
+    e5 = ("configs/paper/e5_fp8.py:p3o,v5p-8", None, None)
     known = {
-        ("configs/paper/e3_temperature_1p2.py:p3o,v5p-8", 4, "model.attention_impl=splash"): (
-            0.30,
-            0.40,
-        ),
+        (*splash, "rl_step"): (0.30, 0.40),
+        (*e5, "sample/decode4096"): (-0.18, -0.10),
+        (*e5, "sample/decode8192"): (-0.15, -0.10),
+        (*e5, "eval/decode2048"): (0.30, 0.40),
+        (*e5, "eval/decode4096"): (0.30, 0.40),
+        (*e5, "eval/decode8192"): (0.20, 0.30),
+        (*e5, "eval/decode16384"): (0.10, 0.15),
     }
     for rec in records:
         settings = rec.get("set") or []
-        band = known.get((rec["config"], rec.get("layers"), settings[0] if settings else None))
+        key = (rec["config"], rec.get("layers"), settings[0] if settings else None)
         for name, p in rec["programs"].items():
             if "planner_bytes" in p:
                 err = (p["planner_bytes"] - p["compiler_bytes"]) / p["compiler_bytes"]
-                low, high = band if band else (-0.10, 0.10)
+                low, high = known.get((*key, name), (-0.10, 0.10))
                 assert low <= err <= high, (rec["config"], name, f"{err:+.1%}")
     monkeypatch.chdir(ROOT)
     for rec in records:
