@@ -325,14 +325,18 @@ def test_planner_within_10_percent_of_every_committed_compile(monkeypatch):
     records = compile_tpu.read_records()
     assert len(records) >= 5
     # The planner's known misses, stated in docs/tpu.md, pinned to the band each is reported
-    # in: the E3 step with splash attention (the fitted terms hold the einsum path's scores,
-    # which splash never writes, where they set the step's peak), and E5's decode segments
+    # in: the steps with splash attention (the fitted terms hold the einsum path's scores,
+    # which splash never writes: +36% on E3's 4 layers, where they set the peak; +17% and
+    # +11% on the whole E3 and E5 steps), and E5's decode segments
     # (held out: the fp8 sampler's temporaries jump from 0.7 to 2.8 GB at the 4096 segment;
     # eval's float32 weights get no hoisted bfloat16 copy, which E3's eval does get).
-    splash = ("configs/paper/e3_temperature_1p2.py:p3o,v5p-8", 4, "model.attention_impl=splash")
+    e3_splash = ("configs/paper/e3_temperature_1p2.py:p3o,v5p-8", "model.attention_impl=splash")
+    e5_splash = ("configs/paper/e5_fp8.py:p3o,v5p-8", "model.attention_impl=splash")
     e5 = ("configs/paper/e5_fp8.py:p3o,v5p-8", None, None)
     known = {
-        (*splash, "rl_step"): (0.30, 0.40),
+        (e3_splash[0], 4, e3_splash[1], "rl_step"): (0.30, 0.40),
+        (e3_splash[0], None, e3_splash[1], "rl_step"): (0.12, 0.22),
+        (e5_splash[0], None, e5_splash[1], "rl_step"): (0.08, 0.15),
         (*e5, "sample/decode4096"): (-0.18, -0.10),
         (*e5, "sample/decode8192"): (-0.15, -0.10),
         (*e5, "eval/decode2048"): (0.30, 0.40),
@@ -366,8 +370,9 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     rows = fit_tpu_terms.read_rows()
     # fit: 8 dense steps and the Qwen3-30B-A3B 2- and 8-layer slices; held out: Qwen2.5-1.5B's
     # widths on v5e:2x4 and Qwen3-4B's untied, E7 on v5p-64, E5 with micro-batches by tokens,
-    # E3's and E5's first 4 layers with and without splash, the 4- and 6-layer MoE slices
-    assert sum(r[1] == "fit" for r in rows) == 10 and sum(r[1] == "held-out" for r in rows) == 10
+    # E3's and E5's first 4 layers with and without splash and their whole steps with splash,
+    # the 4- and 6-layer MoE slices
+    assert sum(r[1] == "fit" for r in rows) == 10 and sum(r[1] == "held-out" for r in rows) == 12
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
