@@ -336,7 +336,8 @@ def main(argv=None) -> int:
                 record["role"] = args.role
         except (TopologyError, ValueError) as e:  # a topology, arm or program name
             hint = ""
-            if args.topology and "devices, have" in str(e):  # the preset's mesh, another size
+            # sharding.mesh_shape's "mesh ... needs N devices, have M": the preset's mesh
+            if args.topology and "devices, have" in str(e):
                 hint = " (--topology: give the mesh its device count, e.g. --set mesh.data=-1)"
             raise UserError(f"{e}{hint}") from e
     except UserError as e:

@@ -45,6 +45,7 @@ from ess_jax.config.defaults import base_config  # noqa: E402
 from ess_jax.config.presets import KNOWN_MODELS  # noqa: E402
 from ess_jax.memory import planner, terms, tpu_terms  # noqa: E402
 from ess_jax.parallel import sharding  # noqa: E402
+from ess_jax.rl import packed  # noqa: E402
 
 # TPU_COEF's key -> the name of its term in the planner's train-step phase
 TERMS = {
@@ -91,6 +92,9 @@ def step_row(record: dict) -> tuple[dict, float, float]:
         cfg = planner.model_config(config.model)
         plan = planner.plan(config, record["devices"], device)
         mesh = planner.abstract_mesh(sharding.mesh_shape(dict(config.mesh), record["devices"]))
+        length = max(config.data.buckets) + config.rollout.max_new_tokens  # as plan() has it
+        if packed.by_tokens(config):
+            length = int(config.train.pack_length) or length
     step_terms = plan.phases["train step"]
     bases = {k: step_terms.get(name, 0.0) / tpu_terms.TPU_COEF[k] for k, name in TERMS.items()}
     fixed = sum(v for name, v in step_terms.items() if name not in TERMS.values())
@@ -98,7 +102,8 @@ def step_row(record: dict) -> tuple[dict, float, float]:
     tokens = bases["stash"] / (cfg.num_layers * cfg.hidden_size * b)  # r T of a micro-batch
     heads = terms.axis_split(cfg.num_heads, mesh, "tensor")
     splash = cfg.attention_impl == "splash"
-    bases["attention"] = 0.0 if splash else tokens * heads * cfg.logits_chunk * 4
+    chunk = cfg.logits_chunk if 0 < cfg.logits_chunk < length else length  # queries at once
+    bases["attention"] = 0.0 if splash else tokens * heads * chunk * 4
     bases["feed_forward"] = tokens * terms.ffn_width(cfg, mesh) * b
     step = record["programs"]["rl_step"]
     arguments = step["memory"]["argument"] + fixed
@@ -188,8 +193,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", action="store_true", help="fit the phase model instead")
     if parser.parse_args(argv).phases:
-        # the one-layer tiling record is left out, as the planner's docs leave it
-        print_phases([r for r in read_rows() if "width_512" not in r[0]])
+        print_phases(read_rows())
         return 0
     rows = read_rows()
     used = [r for r in rows if r[1] == "fit"]

@@ -39,9 +39,10 @@ TPU_COEF = {
     "stash": 1.78,  # x L r T D b: every layer's block input, and the buffers of its gradient
     "embedding": 2.90,  # x the embedding's float32 bytes (tensor-split): gathered copy, gradient
     "logits": 2.53,  # x r C V 4: an LM-head chunk's float32 logits and their gradient
-    # mixture of experts: x every sparse layer's expert stacks in float32, split over "expert"
-    # only; the same fit's one coefficient over the Qwen3-30B-A3B 2- and 8-layer slices, the
-    # dense coefficients fixed (their 4- and 6-layer slices held out)
+    # mixture of experts: x every sparse layer's expert stacks in float32 in the sample layout
+    # (whole over "fsdp"; split over "expert", F over "tensor"); the same fit's one coefficient
+    # over the Qwen3-30B-A3B 2- and 8-layer slices, the dense coefficients fixed (their 4- and
+    # 6-layer slices held out)
     "experts": 1.37,
     # sampler: fitted by hand to the E3 v5p-8 record's sampler programs (their errors there
     # are in sample)
@@ -153,13 +154,14 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     (the lookup's and the LM head's, whole: an untied model's Qwen3-4B widths compile 2.4 GB
     of temporaries below the tied one's, results/tpu_fit/, with more arguments); on a
     mixture-of-experts model every sparse layer's expert stacks in float32, whole over
-    "fsdp" (the Qwen3-30B-A3B slices grow by 0.8 GB a layer where update and stash give 0.4:
-    a fitted count, not a buffer read off the dumps). One layer's recomputed attention and
-    feed-forward activations are at the peak too (a [r, H, C, T] float32 score buffer and its
-    gradient in Qwen3-4B's), yet take no weight of their own in the fit: the other terms'
-    coefficients absorb them and the allocator's fragmentation (memory_analysis's temporaries
-    exceed the live peak by 12-45% in the dumps). Without remat, or with LoRA (QLoRA), the
-    step is not measured on TPU: terms.train_terms (XLA:CPU's)."""
+    "fsdp" (the Qwen3-30B-A3B slices' temporaries grow by 0.8 GB a layer where update and
+    stash give 0.4: a fitted count, not a buffer read off the dumps). One layer's recomputed
+    attention and feed-forward activations are at the peak too (a [r, H, C, T] float32 score
+    buffer and its gradient in Qwen3-4B's), yet take no weight of their own in the fit: the
+    other terms' coefficients absorb them and the allocator's fragmentation (memory_analysis's
+    temporaries with the arguments exceed the live peak by 26-76% in docs/tpu.md's four
+    dumps). Without remat, or with LoRA (QLoRA), the step is not measured on TPU:
+    terms.train_terms (XLA:CPU's)."""
     if not cfg.remat or cfg.lora_rank:
         return terms.train_terms(cfg, mesh, rows, seq_len, full_kl_models, scored_len)
     r, t = terms.batch_split(rows, mesh), seq_len
