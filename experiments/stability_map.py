@@ -286,7 +286,8 @@ def report(m: Map, declared: list[str] = ()) -> str:
         "| minus widest, per seed [95% t-interval] |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in region(m):
+    regions = region(m)
+    for r in regions:
         unstable = [c for c in r["present"] if c not in r["stable"]]
         absent = [
             c if m.no_runs(c, r["obj"]) == "not run" else f"{c} (refused)"
@@ -299,6 +300,13 @@ def report(m: Map, declared: list[str] = ()) -> str:
             f"| {r['obj']} | {len(r['stable'])} | {len(m.conds)} | {', '.join(unstable) or '-'} "
             f"| {', '.join(absent) or '-'} | {per_seed} | {diff} |"
         )
+    per_cond = {c: sum(c in r["stable"] for r in regions) for c in m.conds}
+    lines += [
+        "",
+        "Stable objectives per condition (a condition with none is a gap in the map): "
+        + ", ".join(f"{c} {n} of {len(m.objs)}" for c, n in per_cond.items())
+        + ".",
+    ]
     lines += ["", "## Final held-out pass@1", "", f"![objective x condition]({files[1]})"]
     lines += ["", "## Per condition", ""]
     for cond in m.conds:

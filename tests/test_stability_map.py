@@ -82,7 +82,8 @@ def test_holm_adjusted_p_values_by_hand():
 def test_report_tables_and_regeneration_is_byte_identical(tmp_path, monkeypatch):
     """Catches a report or figure that changes when regenerated from the same files, analyze.py
     and stability_map.py writing different bytes, a refused cell shown as not run, a comparison
-    row whose numbers or Holm family are wrong, and identical runs left unmarked."""
+    row whose numbers or Holm family are wrong, identical runs left unmarked, and a count of
+    stable objectives per condition (the map's gaps) that counts an unstable cell."""
     root = tmp_path / "results"
     exp = root / "stability_map"
     for seed, shift in enumerate((0.0, 0.1, 0.2)):
@@ -122,6 +123,9 @@ def test_report_tables_and_regeneration_is_byte_identical(tmp_path, monkeypatch)
     )
     assert "| p3o_cap_only | 2 | 10 | - |" in text and text.count("| widest |") == 2
     assert "| p3o | 1 | 10 | t1.5 |" in text
+    # per condition: t0.6 cap-only, grpo and p3o stable; t1.5 not p3o; the rest not run (gaps)
+    assert "Stable objectives per condition (a condition with none is a gap in the map): " in text
+    assert "t0.6 3 of 9, t1.0 0 of 9, t1.2 0 of 9, t1.5 2 of 9, t2.0 0 of 9," in text
 
 
 def test_harsh_report_opens_with_the_declared_five_and_labels_no_condition_row_corrected(

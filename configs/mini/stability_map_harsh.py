@@ -54,6 +54,13 @@ nothing else; every other number of the report is exploratory.
                                conditions must widen it for A to conclude.
 experiments/harsh_headline.py computes the five and C's choice.
 
+A new objective only where the map shows a gap (the issue's item 7), written after seeds 0 and
+1 of every arm had landed and before seeds 2-4 had: a gap is a condition where no objective's
+cell is stable over seeds 0-4 (the report's "Stable objectives per condition" line). Seeds 0-1
+show none. Should seeds 0-4 show one, a new objective is declared here for that condition, its
+rationale with it, before any of its runs; with none, no new objective is run, and the report
+says so.
+
 Compute budget: 101 arms x seeds 0-9 = 1010 runs; B's seeds 5-9 of calib_p3o and
 calib_p3o_cap_only = 10; C's seeds 10-14 of VCPO and the chosen baseline, 6 conditions each =
 60: 1080 RL runs, and the policy and external warm starts of seeds 0-14 (30, each shared by
