@@ -118,12 +118,10 @@ def measure(s: Sizes, rows: int, prompt: int, gen: int, repeats: int, micro: int
         "seconds": {name: statistics.median(v) for name, v in seconds.items()},
     }
     out["tokens_per_s"] = {name: tokens / t for name, t in out["seconds"].items()}
-    for name in ("packed", "packed_by_tokens"):
-        out[f"{name}_vs_padded"] = out["tokens_per_s"][name] / out["tokens_per_s"]["padded"]
-    # per layout, each metric's difference from the padded one's over max(1, |padded|): the
-    # largest and its key
     out["max_metric_diff"] = {}
     for name in ("packed", "packed_by_tokens"):
+        out[f"{name}_vs_padded"] = out["tokens_per_s"][name] / out["tokens_per_s"]["padded"]
+        # each metric's difference from the padded one's over max(1, |padded|): the largest
         diffs = {k: abs(first[name][k] - v) / max(1.0, abs(v)) for k, v in first["padded"].items()}
         worst = max(diffs, key=diffs.get)
         out["max_metric_diff"][name] = {"metric": worst, "relative": diffs[worst]}

@@ -293,13 +293,18 @@ def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
             ["--config=configs/quickstart.py", "--topology=v5e:2x2", "--set=train.nope=1"],
             "config has no field 'train.nope'",
         ),
+        (
+            ["--config=configs/paper/e3_temperature_1p2.py:p3o,v5p-8", "--topology=v5e:2x4"],
+            "needs 4 devices, have 8 (--topology: give the mesh its device count",
+        ),
     ],
 )
 def test_mistakes_are_one_line_exit_2(args, message, capsys, monkeypatch):
     """Catches a traceback for a config file that does not exist (FileNotFoundError from
     plan_memory.load_config), a config without a TPU preset, an unknown topology name, a
     preset whose device count libtpu describes differently (v4: TensorCores, not megacores),
-    or a misspelt --only program."""
+    a misspelt --only program, or a preset's mesh on a --topology of another device count
+    without the mend named."""
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as e:
         compile_tpu.main(args)

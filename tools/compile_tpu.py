@@ -326,6 +326,7 @@ def main(argv=None) -> int:
         if not args.config:
             p.error("--config (or --markdown) is required")
         from ess_jax.memory.tpu import TopologyError
+        from ess_jax.parallel.sharding import MeshSizeError
 
         try:
             only = tuple(args.only.split(",")) if args.only else None
@@ -336,8 +337,7 @@ def main(argv=None) -> int:
                 record["role"] = args.role
         except (TopologyError, ValueError) as e:  # a topology, arm or program name
             hint = ""
-            # sharding.mesh_shape's "mesh ... needs N devices, have M": the preset's mesh
-            if args.topology and "devices, have" in str(e):
+            if args.topology and isinstance(e, MeshSizeError):  # the preset's mesh, another size
                 hint = " (--topology: give the mesh its device count, e.g. --set mesh.data=-1)"
             raise UserError(f"{e}{hint}") from e
     except UserError as e:

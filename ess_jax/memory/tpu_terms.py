@@ -178,7 +178,8 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     if cfg.tie_embeddings:  # the shared table's float32 gradient, whole (docstring)
         out["embedding (gathered, its gradient)"] = k["embedding"] * embedding
     out["logits"] = k["logits"] * r * c_head * v * 4
-    experts = terms.expert_bytes(cfg, mesh, np.float32, "sample")  # whole over fsdp
+    # every sparse layer's stacks in the sample layout (whole over fsdp); a dense model: none
+    experts = terms.expert_bytes(cfg, mesh, np.float32, "sample") if cfg.num_experts else 0
     if experts:
         out["expert stacks (float32, whole over fsdp)"] = k["experts"] * experts
     if full_kl_models:  # as terms.train_terms counts it

@@ -103,6 +103,10 @@ def maybe_initialize_distributed() -> None:
         jax.distributed.initialize()
 
 
+class MeshSizeError(ValueError):
+    """A mesh shape whose sizes multiply to another device count than the devices given."""
+
+
 def mesh_shape(shape: Mapping[str, int] | Sequence[int] | None, num_devices: int) -> dict:
     """{data, fsdp, tensor, expert} sizes for `num_devices`, resolving one -1; ValueError if
     impossible. An axis a mapping leaves out has size 1; a sequence gives the sizes in MESH_AXES
@@ -134,7 +138,7 @@ def mesh_shape(shape: Mapping[str, int] | Sequence[int] | None, num_devices: int
             raise ValueError(f"{num_devices} devices do not divide into mesh {sizes}")
         sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-        raise ValueError(
+        raise MeshSizeError(
             f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
             f"have {num_devices}"
         )
