@@ -301,10 +301,14 @@ def report(m: Map, declared: list[str] = ()) -> str:
             f"| {', '.join(absent) or '-'} | {per_seed} | {diff} |"
         )
     per_cond = {c: sum(c in r["stable"] for r in regions) for c in m.conds}
+    # of the condition's cells: a refused cell (p3o_full under a low-precision decode) is none
+    in_grid = {
+        c: sum(m.no_runs(c, o) == "not run" or (c, o) in m.cells for o in m.objs) for c in m.conds
+    }
     lines += [
         "",
         "Stable objectives per condition (a condition with none is a gap in the map): "
-        + ", ".join(f"{c} {n} of {len(m.objs)}" for c, n in per_cond.items())
+        + ", ".join(f"{c} {n} of {in_grid[c]}" for c, n in per_cond.items())
         + ".",
     ]
     lines += ["", "## Final held-out pass@1", "", f"![objective x condition]({files[1]})"]

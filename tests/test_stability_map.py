@@ -83,7 +83,8 @@ def test_report_tables_and_regeneration_is_byte_identical(tmp_path, monkeypatch)
     """Catches a report or figure that changes when regenerated from the same files, analyze.py
     and stability_map.py writing different bytes, a refused cell shown as not run, a comparison
     row whose numbers or Holm family are wrong, identical runs left unmarked, and a count of
-    stable objectives per condition (the map's gaps) that counts an unstable cell."""
+    stable objectives per condition (the map's gaps) that counts an unstable cell or whose
+    denominator counts a refused cell."""
     root = tmp_path / "results"
     exp = root / "stability_map"
     for seed, shift in enumerate((0.0, 0.1, 0.2)):
@@ -125,7 +126,9 @@ def test_report_tables_and_regeneration_is_byte_identical(tmp_path, monkeypatch)
     assert "| p3o | 1 | 10 | t1.5 |" in text
     # per condition: t0.6 cap-only, grpo and p3o stable; t1.5 not p3o; the rest not run (gaps)
     assert "Stable objectives per condition (a condition with none is a gap in the map): " in text
-    assert "t0.6 3 of 9, t1.0 0 of 9, t1.2 0 of 9, t1.5 2 of 9, t2.0 0 of 9," in text
+    # of the condition's cells in the grid: 12 objectives, fp8 and calib refuse p3o_full
+    assert "t0.6 3 of 12, t1.0 0 of 12, t1.2 0 of 12, t1.5 2 of 12, t2.0 0 of 12," in text
+    assert "fp8 0 of 11, calib 0 of 11, lag8 0 of 12," in text
 
 
 def test_harsh_report_opens_with_the_declared_five_and_labels_no_condition_row_corrected(

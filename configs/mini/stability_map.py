@@ -12,7 +12,8 @@ Conditions (arm prefix):
   upd4                       4 optimizer steps per rollout batch at T 1.2.
 Objectives (arm suffix, common.OBJECTIVES): GRPO clip 0.2, GRPO + truncated IS, P3O as the paper
 has it (k3), P3O cap-only, P3O with each other trust-region estimator (k3_is, forward, full),
-M2PO, VCPO.
+M2PO, VCPO; then VCPO with its authors' baseline, M2PO as AReaL runs it and as its authors'
+code does (REFERENCE_FORMS, 10 x 12 = 120 cells less p3o_full's fp8 and calib: 118 arms).
 
     .venv/bin/python experiments/reproduce.py --experiments stability_map --seeds 0 1 2 3 4 --jobs 2
     .venv/bin/python experiments/analyze.py results  # tables; the heat-map is written beside them
@@ -29,7 +30,8 @@ one arm by hand, after its seed's warm start:
 from configs.mini import common
 
 CONDITIONS = ("t0.6", "t1.0", "t1.2", "t1.5", "t2.0", "fp8", "calib", "lag8", "ext50", "upd4")
-OBJECTIVES = (
+# The map's nine objectives, each as ess_jax's paper-following form has it.
+FIRST = (
     "grpo_eps0.2",
     "grpo_tis",
     "p3o",
@@ -40,6 +42,12 @@ OBJECTIVES = (
     "m2po",
     "vcpo",
 )
+# VCPO and M2PO as their authors' code runs them (common.OBJECTIVES: vcpo_authors weighs the
+# off-policy baseline as mit-han-lab/vcpo; m2po_areal normalises as AReaL; m2po_authors is
+# Infini-AI-Lab/M2PO's adaptive clip), beside the forms above in every condition, so each VCPO
+# or M2PO cell of the map can be read with the reference form it stands for.
+REFERENCE_FORMS = ("vcpo_authors", "m2po_areal", "m2po_authors")
+OBJECTIVES = FIRST + REFERENCE_FORMS
 # P3O with the exact KL has no fp8 or calib arm: a low-precision decode cannot be re-scored
 # exactly (config/schema.py:check_full_kl refuses it), so those cells of the map stay empty.
 LOW_PRECISION = ("fp8", "calib")

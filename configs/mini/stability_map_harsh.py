@@ -108,7 +108,7 @@ NEW_OBJECTIVES = (
     "m2po_areal",
     "m2po_authors",
 )
-OBJECTIVES = committed.OBJECTIVES + NEW_OBJECTIVES
+OBJECTIVES = committed.FIRST + NEW_OBJECTIVES
 ARMS = committed.arms(CONDITIONS, OBJECTIVES)
 EXTERNAL_ARMS = committed.external_arms(ARMS)
 split = committed.split
