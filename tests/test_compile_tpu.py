@@ -284,7 +284,6 @@ def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
         (["--config=configs/quickstart.py"], "no TPU preset after the arm"),
         (["--config=configs/nope.py:p3o,v5e-8"], "--config configs/nope.py:p3o,v5e-8: no such"),
         (["--config=configs/quickstart.py", "--topology=v9:2x2"], "topology 'v9:2x2'"),
-        (["--config=configs/paper/e2_qwen25_1p5b.py:p3o,v4-8"], "libtpu describes 8 devices"),
         (
             ["--config=configs/quickstart.py", "--topology=v5e:2x2", "--only=rl_stp"],
             "no program ['rl_stp']",
@@ -302,8 +301,7 @@ def test_a_refused_program_is_a_row_not_a_traceback(monkeypatch):
 def test_mistakes_are_one_line_exit_2(args, message, capsys, monkeypatch):
     """Catches a traceback for a config file that does not exist (FileNotFoundError from
     plan_memory.load_config), a config without a TPU preset, an unknown topology name, a
-    preset whose device count libtpu describes differently (v4: TensorCores, not megacores),
-    a misspelt --only program, or a preset's mesh on a --topology of another device count
+    misspelt --only program, or a preset's mesh on a --topology of another device count
     without the mend named."""
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as e:
@@ -311,6 +309,27 @@ def test_mistakes_are_one_line_exit_2(args, message, capsys, monkeypatch):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_v4_devices_are_megacore_chips_as_on_a_vm(capsys, monkeypatch):
+    """Catches v4 described per TensorCore (libtpu's default chip config: 8 devices for
+    v4:2x2x1, where a v4 VM shows its 4 megacore chips and the v4-8 preset and the planner
+    count 4), and a preset whose topology libtpu describes with another device count let
+    through instead of a one-line error."""
+    from ess_jax.config import presets
+    from ess_jax.memory import tpu
+
+    assert tpu.device_count(tpu.topology_devices("v4:2x2x1")) == (4, 1)
+    assert tpu.device_count(tpu.topology_devices("v4:2x2x2")) == (8, 2)
+    assert tpu.device_count(tpu.topology_devices("v5p:2x2x1")) == (4, 1)  # v5p: already chips
+    wrong = presets.Preset("v5e", 8, 1, {"data": 1, "fsdp": 8, "tensor": 1}, "v5e:2x2")
+    monkeypatch.setitem(presets.PRESETS, "v5e-8", wrong)
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as e:
+        compile_tpu.main(["--config=configs/paper/e2_qwen25_1p5b.py:p3o,v5e-8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert "topology v5e:2x2: libtpu describes 4 devices, the preset has 8" in err[0], err
 
 
 def test_docs_table_is_the_committed_records():
@@ -338,7 +357,13 @@ def test_planner_within_10_percent_of_every_committed_compile(monkeypatch):
     e3_splash = ("configs/paper/e3_temperature_1p2.py:p3o,v5p-8", "model.attention_impl=splash")
     e5_splash = ("configs/paper/e5_fp8.py:p3o,v5p-8", "model.attention_impl=splash")
     e5 = ("configs/paper/e5_fp8.py:p3o,v5p-8", None, None)
+    # E5 on v4-8 (held out; TPU_COEF is fitted to v5e and v5p compiles, and no fitted record
+    # has v4-8's mesh, tensor 4 without FSDP): the step +15%, the prefills +40% and +27%
+    e5_v4 = ("configs/paper/e5_fp8.py:p3o,v4-8", None, None)
     known = {
+        (*e5_v4, "rl_step"): (0.10, 0.20),
+        (*e5_v4, "sample/prefill"): (0.35, 0.45),
+        (*e5_v4, "eval/prefill"): (0.22, 0.32),
         (e3_splash[0], 4, e3_splash[1], "rl_step"): (0.30, 0.40),
         (e3_splash[0], None, e3_splash[1], "rl_step"): (0.12, 0.22),
         (e5_splash[0], None, e5_splash[1], "rl_step"): (0.08, 0.15),
@@ -376,8 +401,8 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # fit: 8 dense steps and the Qwen3-30B-A3B 2- and 8-layer slices; held out: Qwen2.5-1.5B's
     # widths on v5e:2x4 and Qwen3-4B's untied, E7 on v5p-64, E5 with micro-batches by tokens,
     # E3's and E5's first 4 layers with and without splash and their whole steps with splash,
-    # the 4- and 6-layer MoE slices
-    assert sum(r[1] == "fit" for r in rows) == 10 and sum(r[1] == "held-out" for r in rows) == 12
+    # the 4- and 6-layer MoE slices, E5 on v4-8
+    assert sum(r[1] == "fit" for r in rows) == 10 and sum(r[1] == "held-out" for r in rows) == 13
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
@@ -385,6 +410,9 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     for row in rows:  # in sample and held out, the step within 10% of the compiler
         if "__splash" in row[0]:  # the known miss where attention sets the peak (docs/tpu.md)
             assert -0.10 <= fit_tpu_terms.error(row, tpu_terms.TPU_COEF) <= 0.40, row[0]
+            continue
+        if "__v4-8" in row[0]:  # extrapolated to v4, a mesh no fitted record has (docs/tpu.md)
+            assert 0.10 <= fit_tpu_terms.error(row, tpu_terms.TPU_COEF) <= 0.20, row[0]
             continue
         assert abs(fit_tpu_terms.error(row, tpu_terms.TPU_COEF)) <= 0.10, row[0]
 

@@ -117,8 +117,7 @@ def compile_spec(
     if preset is not None and preset.topology == topology and n != preset.num_devices:
         raise UserError(
             f"topology {topology}: libtpu describes {n} devices, the preset has "
-            f"{preset.num_devices} (v4: one device per TensorCore here, one per megacore chip "
-            "on a TPU VM)"
+            f"{preset.num_devices}"
         )
     kind = devices[0].device_kind
     device = _device_key(kind)

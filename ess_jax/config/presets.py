@@ -40,8 +40,8 @@ class Chip:
     """A TPU generation's per-chip figures, as Google's Cloud TPU pages state them
     (docs.cloud.google.com/tpu/docs/{v4,v5e,v5p-training,v6e,tpu7x}), and the JAX devices per
     chip on a TPU VM: one, or TPU7x's two chiplets. (v4's two TensorCores are one megacore
-    device on a VM, as HBM counts them; libtpu's ahead-of-time description lists each
-    TensorCore as a device, so tools/compile_tpu.py cannot compile the v4 preset.)"""
+    device on a VM, as HBM counts them; memory/tpu.topology_devices asks libtpu for the same,
+    its chip config "megacore".)"""
 
     hbm: float  # bytes per chip
     bf16_flops: float  # peak dense bf16 flop/s per chip

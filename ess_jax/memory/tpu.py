@@ -42,12 +42,16 @@ class TopologyError(ValueError):
 
 
 def topology_devices(name: str) -> list:
-    """The abstract TPU devices of topology `name` (e.g. "v5p:2x2x1", "v5e:4x4")."""
+    """The abstract TPU devices of topology `name` (e.g. "v5p:2x2x1", "v5e:4x4"), one per
+    device a TPU VM shows: on v4, one per megacore chip (libtpu's chip config "megacore"; its
+    default describes each of a v4 chip's two TensorCores as a device: 8 for v4:2x2x1)."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU is used (above)
     from jax.experimental import topologies
 
+    extra = {"chip_config_name": "megacore"} if name.split(":")[0] == "v4" else {}
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=name, **extra)
+        return list(desc.devices)
     except Exception as e:  # libtpu's errors are RuntimeError / XlaRuntimeError
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "libtpu" in text.lower() or "Unknown backend" in text or "tpu" not in text.lower():
