@@ -279,16 +279,20 @@ def test_planner_counts_every_local_expert_in_the_feed_forward_activations():
     grouped path's top-k rows of width F + D per token, not the dense intermediate_size.
     Catches: a planner that sizes Qwen3-30B-A3B's 48 sparse layers by intermediate_size (16x
     under: it would say a run fits that does not), one that ignores the expert split over the
-    `expert` mesh axis, and one that sizes the grouped path as the dense one (16x over)."""
+    `expert` mesh axis or the expert group's rows gathered on each of its ranks (4x under at
+    expert 4), and one that sizes the grouped path as the dense one (16x over)."""
     from ess_jax.memory import planner, terms
 
     cfg = weights.config_from_hf(KNOWN_MODELS["Qwen3-30B-A3B"])
     one = planner.abstract_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1})
     four = planner.abstract_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 4})
     assert terms.ffn_width(cfg, one) == 128 * 768
-    assert terms.ffn_width(cfg, four) == 32 * 768
-    grouped = cfg.replace(moe_impl="grouped")  # whole rows on every expert rank
-    assert terms.ffn_width(grouped, one) == terms.ffn_width(grouped, four) == 8 * (768 + 2048)
+    # expert 4: each rank's 32 experts on its expert group's rows, 4 per row of its own
+    assert terms.ffn_width(cfg, four) == 4 * 32 * 768
+    grouped = cfg.replace(moe_impl="grouped")
+    assert terms.ffn_width(grouped, one) == 8 * (768 + 2048)
+    assert terms.ffn_width(grouped, four) == 4 * 8 * (768 + 2048)
+    assert terms.batch_split(64, four) == terms.batch_split(64, one) == 16  # expert: a data axis
     dense = cfg.replace(num_experts=0, num_experts_per_tok=0)
     assert terms.ffn_width(dense, one) == cfg.intermediate_size
     acts = terms.train_terms(cfg, one, 1, 1024)["activations"]

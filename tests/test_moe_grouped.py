@@ -98,15 +98,18 @@ def test_the_backward_yields_the_expert_gradients_with_the_input_gradient():
     assert all(all(s in line for s in shapes) for line in barriers)
 
 
-def test_model_log_probs_and_gradients_under_expert_ranks():
+@pytest.mark.parametrize("batch", [8, 4])
+def test_model_log_probs_and_gradients_under_expert_ranks(batch):
     """The tiny MoE (sparse layers 0 and 2) placed on {fsdp 2, expert 4} of the fake devices
-    (train layout: 2 of the 8 experts per rank, rows over fsdp): log-probs and every parameter
-    gradient equal the unsharded dense path's (float32). Catches a rank computing groups
+    (train layout: 2 of the 8 experts per rank): log-probs and every parameter gradient equal
+    the unsharded dense path's (float32). 8 rows split over fsdp x expert (the dispatch: each
+    expert group's rows gathered, the outputs reduce-scattered back); 4 rows, which do not
+    split, replicated (the outputs summed over the ranks). Catches a rank computing groups
     other than its own (megablox's group_offset), a sum over the expert ranks missing or done
-    twice in the backward (gradients off by a factor of 4), and rows mixed up by the
-    shard_map's row split."""
+    twice in the backward (gradients off by a factor of 4), rows mixed up by the shard_map's
+    row split, and a reduce-scatter that hands a rank another rank's rows."""
     cfg, params = tiny_moe()
-    tokens = jax.random.randint(jax.random.key(2), (4, 8), 1, cfg.vocab_size)
+    tokens = jax.random.randint(jax.random.key(2), (batch, 8), 1, cfg.vocab_size)
     mask = jnp.ones(tokens.shape, bool).at[1, :3].set(False)
 
     def logp_and_grad(cfg, params, tokens, mask):
@@ -119,7 +122,7 @@ def test_model_log_probs_and_gradients_under_expert_ranks():
     g_dense, lp_dense = jax.jit(logp_and_grad, static_argnums=0)(cfg, params, tokens, mask)
     mesh = sharding.make_mesh({"fsdp": 2, "expert": 4})
     placed = jax.device_put(params, model.param_shardings(cfg, mesh, "train"))
-    rows = sharding.batch_sharding(mesh)
+    rows = sharding.batch_sharding(mesh) if batch == 8 else sharding.replicated(mesh)
     grouped_cfg = cfg.replace(moe_impl="grouped")
     step = jax.jit(sharding.under_mesh(lambda *a: logp_and_grad(grouped_cfg, *a), mesh))
     g, lp = step(placed, jax.device_put(tokens, rows), jax.device_put(mask, rows))

@@ -1,5 +1,5 @@
 """Fits the train step's coefficients of ess_jax/memory/tpu_terms.py (TPU_COEF's update, stash,
-embedding, logits, experts) to the TPU compiler's RL steps, and prints them with each compile's
+embedding, logits, moe_rows) to the TPU compiler's RL steps, and prints them with each compile's
 error in sample and left out of the fit:
 
     .venv/bin/python tools/fit_tpu_terms.py
@@ -11,8 +11,8 @@ default) or "held-out". Per compile, each term's basis is the planner's train-st
 (planner.plan on the record's device and device count) over its coefficient, and the target
 the compiler's bytes less the step's arguments (its outputs alias them): the bytes the terms
 stand for. Least squares weighted by 1 / target (relative errors) over the "fit" compiles: the
-four dense terms over the dense models' steps, then `experts` over the mixture-of-experts
-ones, the dense four fixed; a held-out compile is not fitted. Errors are (arguments + the
+four dense terms over the dense models' steps, then `moe_rows` over the mixture-of-experts ones,
+the dense four fixed; a held-out compile is not fitted. Errors are (arguments + the
 terms at the coefficients - compiler) / compiler. Plans only, compiles nothing (seconds).
 
 `--phases` fits, instead, the step as a peak over two phases, over every RL step (the
@@ -39,6 +39,7 @@ for path in (ROOT, os.path.join(ROOT, "tools")):
         sys.path.insert(0, path)
 
 import numpy as np  # noqa: E402
+import scipy.optimize  # noqa: E402
 
 from ess_jax.config import names  # noqa: E402
 from ess_jax.config.defaults import base_config  # noqa: E402
@@ -53,8 +54,9 @@ TERMS = {
     "stash": "activations (remat: block inputs)",
     "embedding": "embedding (gathered, its gradient)",
     "logits": "logits",
-    "experts": "expert stacks (float32, whole over fsdp)",
+    "moe_rows": "dispatched rows (one MoE block)",
 }
+MOE = ("moe_rows",)  # fitted over the mixture-of-experts steps
 DENSE = ("update", "stash", "embedding", "logits")  # fitted together over the dense steps
 
 
@@ -128,15 +130,17 @@ def read_rows(root: str = ROOT) -> list[tuple[str, str, dict, float, float, floa
 
 def fit(rows) -> dict[str, float]:
     """Least squares of the targets over the bases, weighted by 1 / target: DENSE's over the
-    dense steps, then `experts` over the mixture-of-experts ones with DENSE's fixed (0
-    without any)."""
-    dense = [r for r in rows if not r[2]["experts"]]
+    dense steps, then MOE's over the mixture-of-experts ones with DENSE's fixed, none below 0
+    (non-negative least squares: a term counts bytes; 0 without any)."""
+    dense = [r for r in rows if not r[2]["moe_rows"]]
     a = np.array([[r[2][k] for k in DENSE] for r in dense]) / np.array([[r[3]] for r in dense])
     coef = dict(zip(DENSE, np.linalg.lstsq(a, np.ones(len(dense)), rcond=None)[0].tolist()))
-    moe = [r for r in rows if r[2]["experts"]]
-    x = np.array([r[2]["experts"] / r[3] for r in moe])
+    moe = [r for r in rows if r[2]["moe_rows"]]
+    if not moe:
+        return {**coef, **dict.fromkeys(MOE, 0.0)}
+    a = np.array([[r[2][k] / r[3] for k in MOE] for r in moe])
     rest = np.array([(r[3] - sum(coef[k] * r[2][k] for k in DENSE)) / r[3] for r in moe])
-    coef["experts"] = float(x @ rest / (x @ x)) if moe else 0.0
+    coef.update(zip(MOE, scipy.optimize.nnls(a, rest)[0].tolist()))  # bytes: not below 0
     return coef
 
 

@@ -28,6 +28,7 @@ from configs.mini import common as mini
 from configs.mini.common import OBJECTIVES
 from ess_jax.config import presets
 from ess_jax.config.defaults import base_config
+from ess_jax.parallel import sharding
 
 __all__ = ["OBJECTIVES", "base", "finish", "parse", "with_objective"]
 
@@ -154,7 +155,7 @@ def _fit(c, preset: str, min_tensor: int, expert: int = 1):
     # micro-batch and of a sampler call at 4K new tokens, fewer for longer responses.
     scale = max(1, c.rollout.max_new_tokens // 4096)
     train_rows, sample_rows = (max(1, n // scale) for n in BATCHING[preset])
-    ranks = c.mesh["data"] * c.mesh["fsdp"]
+    ranks = math.prod(c.mesh.get(a, 1) for a in sharding.BATCH)  # expert ranks split rows too
     per_update = c.data.prompts_per_step * c.rollout.group_size // c.train.updates_per_batch
     c.train.num_microbatches = max(1, per_update // (train_rows * ranks))
     per_call = max(1, sample_rows * ranks // c.rollout.group_size)

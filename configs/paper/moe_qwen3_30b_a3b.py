@@ -2,7 +2,7 @@
 training and sampler, 256 prompts x 4 samples per step) on the mixture-of-experts
 Qwen3-30B-A3B (48 layers, 128 experts, 8 per token; ess_jax/config/presets.py KNOWN_MODELS),
 with and without routing replay, on a v5p pod (v5p-64, the one preset the memory planner says
-it fits: 63.0 GB per device of 85.5 usable; on v5e-256 14.6 of 14.4).
+it fits: 56.8 GB per device of 85.5 usable; on v5e-256 17.7 of 14.4).
 
     .venv/bin/python -m ess_jax.main --config=configs/paper/moe_qwen3_30b_a3b.py:p3o \
         --config.model.source=/path/to/Qwen3-30B-A3B \
@@ -13,16 +13,21 @@ the sampler recorded: model.routing_replay sampler). On a TPU preset the experts
 megablox's grouped matmul (model.moe_impl grouped: each token's 8 experts, not all 128;
 model/grouped.py) and split over 8 expert ranks taken from the preset's data ranks
 (common.finish `expert`; v5p-64: fsdp 4 x expert 8): the sample layout holds 16 of each
-layer's 128 experts per device.
+layer's 128 experts per device. The batch is split over the expert ranks too (a data axis
+outside the MoE blocks: parallel/sharding.py), one row per device in a train micro-batch
+(32 micro-batches of 32 rows per update).
 `,tiny` is the CPU smoke run of every paper file (SmolLM2-135M, a dense model: no experts, no
 replay). Compiled for v5p-64 with tools/compile_tpu.py, its first 2, 4, 6 and 8 layers (the
-whole step passes this host's memory; results/tpu/): the planner is within 5.3% of the
-compiler on each slice, its expert term fitted to the 2- and 8-layer ones (docs/memory.md,
-"Mixture of experts"); the 48-layer plan extrapolates from them.
+whole step passes this host's memory; results/tpu/): the planner is within 1.7% of the
+compiler on each slice, its dispatched-rows term fitted to the 2- and 8-layer ones
+(docs/memory.md, "Mixture of experts"); the 48-layer plan extrapolates from them.
 Unknown: everything a run would measure; this file is the shape of the run.
 """
 
+import math
+
 from configs.paper import common
+from ess_jax.parallel import sharding
 
 ARMS = ("p3o", "p3o+replay")
 PRESETS = ("v5p-64",)  # tools/plan_memory.py; the default here
@@ -39,6 +44,11 @@ def get_config(arg: str | None = None):
     c = common.finish(c, preset, expert=EXPERT_RANKS)
     if preset == "tiny":  # SmolLM2: dense
         return c
+    # One row per device in a train micro-batch: an MoE block computes its expert group's rows
+    # (expert ranks x a device's, model/grouped.py), so at common.finish's 4 rows per device
+    # its dispatched rows are 32 sequences' (a 2-layer slice: 44.1 GB per device, 14.3 at 1)
+    per_update = c.data.prompts_per_step * c.rollout.group_size // c.train.updates_per_batch
+    c.train.num_microbatches = per_update // math.prod(c.mesh.get(a, 1) for a in sharding.BATCH)
     c.model.routing_replay = "sampler" if replay else "none"
     if preset.startswith("v"):  # a TPU slice: megablox (GPUs: the dense expert path)
         c.model.moe_impl = "grouped"

@@ -17,7 +17,8 @@ import optax
 from jax.sharding import NamedSharding
 
 from ess_jax.model import decoder as model_lib
-from ess_jax.model import layers, lora, moe, quant
+from ess_jax.model import layers, lora, quant
+from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.sampling.decode import decode_bounds
 
 # XLA's bytes per unit of each term (module docstring): fitted to `compiled.memory_analysis()`
@@ -121,12 +122,6 @@ def block_bytes(cfg, mesh, dtype, mode: str = "train") -> int:
     return named_bytes(cfg, mesh, dtype, mode, quant.INPUT_AXES)
 
 
-def expert_bytes(cfg, mesh, dtype, mode: str = "train") -> int:
-    """Per-device bytes of every sparse layer's expert stacks (model/moe.py's EXPERT_MATRICES)
-    in `dtype`, in the `train` or `sample` layout; 0 on a dense model."""
-    return named_bytes(cfg, mesh, dtype, mode, moe.EXPERT_MATRICES)
-
-
 def named_bytes(cfg, mesh, dtype, mode: str, names) -> int:
     """Per-device bytes, in `dtype` and the `mode` layout, of the params whose name is in
     `names`."""
@@ -195,28 +190,36 @@ def axis_split(n: int, mesh, axis: str) -> int:
 
 
 def batch_split(n: int, mesh) -> float:
-    """n rows split over the batch's mesh axes (data x fsdp) when they divide, else whole."""
-    k = mesh.shape["data"] * mesh.shape["fsdp"]
+    """n rows split over the batch's mesh axes (sharding.BATCH: data x fsdp x expert) when
+    they divide, else whole."""
+    k = math.prod(mesh.shape.get(a, 1) for a in sharding_lib.BATCH)
     return n / k if n % k == 0 else float(n)
 
 
-def ffn_width(cfg, mesh) -> int:
+def ffn_width(cfg, mesh, rows: int | None = None) -> int:
     """Per-device feed-forward activations per token of the widest block: a dense MLP's
     intermediate_size (split over "tensor"), or on a mixture-of-experts model whichever is
     larger of that and its expert path's: the dense path (model/moe.py: every expert on every
     token, [B, T, E, F] activations) its experts on this device times their width (E over
     "expert", F over "tensor"); the grouped path (model/grouped.py: each token's X experts,
-    [B T X, F] activations and its [B T X, D] sorted inputs, whole on every expert rank) X
-    times (F + D)."""
+    [B T X, F] activations and its [B T X, D] sorted inputs) X times (F + D). Either path
+    works on its expert group's rows, each device's gathered over "expert" (grouped.py's
+    dispatch; GSPMD's for the dense path): per row of the device's own, "expert" times that,
+    when the `rows` (global; None: any) split over the batch's axes (else each rank holds
+    them all, replicated, and computes its experts for them: the width alone)."""
     dense = axis_split(cfg.intermediate_size, mesh, "tensor")
     if not any(cfg.is_sparse(i) for i in range(cfg.num_layers)):
         return dense
+    group = mesh.shape.get("expert", 1)  # the rows an expert rank computes, per row of its own
+    if rows is not None and batch_split(rows, mesh) == rows:
+        group = 1
     if cfg.moe_impl == "grouped":
-        return max(dense, cfg.num_experts_per_tok * (cfg.moe_intermediate_size + cfg.hidden_size))
-    experts = cfg.num_experts
-    if "expert" in mesh.shape:
-        experts = axis_split(experts, mesh, "expert")
-    return max(dense, experts * axis_split(cfg.moe_intermediate_size, mesh, "tensor"))
+        per_row = cfg.num_experts_per_tok * (cfg.moe_intermediate_size + cfg.hidden_size)
+        return max(dense, group * per_row)
+    experts = (
+        axis_split(cfg.num_experts, mesh, "expert") if "expert" in mesh.shape else cfg.num_experts
+    )
+    return max(dense, group * experts * axis_split(cfg.moe_intermediate_size, mesh, "tensor"))
 
 
 def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
@@ -229,7 +232,7 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     s = seq_len if scored_len is None else scored_len
     b = np.dtype(cfg.compute_dtype).itemsize
     n_layers, d = cfg.num_layers, cfg.hidden_size
-    f = ffn_width(cfg, mesh)
+    f = ffn_width(cfg, mesh, rows)
     h = axis_split(cfg.num_heads, mesh, "tensor")
     v = axis_split(cfg.vocab_size, mesh, "tensor")
     c = cfg.logits_chunk if 0 < cfg.logits_chunk < t else 0  # attention's query chunks

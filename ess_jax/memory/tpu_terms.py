@@ -39,11 +39,11 @@ TPU_COEF = {
     "stash": 1.78,  # x L r T D b: every layer's block input, and the buffers of its gradient
     "embedding": 2.90,  # x the embedding's float32 bytes (tensor-split): gathered copy, gradient
     "logits": 2.53,  # x r C V 4: an LM-head chunk's float32 logits and their gradient
-    # mixture of experts: x every sparse layer's expert stacks in float32 in the sample layout
-    # (whole over "fsdp"; split over "expert", F over "tensor"); the same fit's one coefficient
-    # over the Qwen3-30B-A3B 2- and 8-layer slices, the dense coefficients fixed (their 4- and
-    # 6-layer slices held out)
-    "experts": 1.37,
+    # mixture of experts: x r T W b, W = terms.ffn_width: one MoE block's dispatched rows (its
+    # expert group's rows, X per token, of width F + D on the grouped path); the same fit's one
+    # coefficient over three Qwen3-30B-A3B slices (2 layers at 1 and 4 rows per device, 8 at
+    # 1), the dense coefficients fixed (the 4- and 6-layer slices held out)
+    "moe_rows": 4.34,
     # sampler: fitted by hand to the E3 v5p-8 record's sampler programs (their errors there
     # are in sample)
     "prefill_attn": 0.6,  # x uniq KV P C 4: the prefill's float32 attention scores
@@ -108,7 +108,7 @@ def sampler_terms(
     bound = new_tokens if bound is None else bound
     rows, uniq = prompts * samples, terms.batch_split(prompts, mesh)
     n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
-    f = terms.ffn_width(cfg, mesh)
+    f = terms.ffn_width(cfg, mesh, prompts)
     v = cfg.vocab_size
     c = terms.prefill_query_chunk(cfg, prompt_len)
     k = TPU_COEF
@@ -178,10 +178,9 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     if cfg.tie_embeddings:  # the shared table's float32 gradient, whole (docstring)
         out["embedding (gathered, its gradient)"] = k["embedding"] * embedding
     out["logits"] = k["logits"] * r * c_head * v * 4
-    # every sparse layer's stacks in the sample layout (whole over fsdp); a dense model: none
-    experts = terms.expert_bytes(cfg, mesh, np.float32, "sample") if cfg.num_experts else 0
-    if experts:
-        out["expert stacks (float32, whole over fsdp)"] = k["experts"] * experts
+    if cfg.num_experts:  # one MoE block's dispatched rows (its expert group's); dense: none
+        dispatched = r * t * terms.ffn_width(cfg, mesh, rows) * b
+        out["dispatched rows (one MoE block)"] = k["moe_rows"] * dispatched
     if full_kl_models:  # as terms.train_terms counts it
         out["full KL re-score"] = terms.COEF["full_kl"] * full_kl_models * r * c_head * v * 4
     return out

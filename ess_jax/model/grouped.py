@@ -37,13 +37,18 @@ width):
     Qwen3-MoE's are: 2048 and 768 in Qwen3-30B-A3B); interpret mode takes any width;
   - sharding: under a context mesh of more than one device the kernel runs in a shard_map
     (GSPMD cannot partition a Mosaic call): rows over the data-parallel axes that divide B
-    (as decoder.shard_rows places them). With mesh.expert > 1 (dividing E) each expert rank
-    takes its E / expert experts (their stacks gathered over fsdp and tensor, as FSDP gathers
-    a dense MLP's weights), computes its own groups of every row (megablox's group_offset; the
-    other groups' rows are zeros) and the ranks' float32 outputs are summed over `expert`,
-    then rounded once. `expert` is not a data axis: its ranks hold the same rows, so each
-    routes and sorts them all and holds all [N X, .] rows; no token moves between ranks (no
-    all-to-all).
+    (sharding.BATCH, as decoder.shard_rows places them). With mesh.expert > 1 (dividing E)
+    each expert rank takes its E / expert experts (their stacks gathered over fsdp and
+    tensor, as FSDP gathers a dense MLP's weights). Dispatch is Megatron's "allgather": the
+    ranks of an expert group all-gather their rows (tokens, routing weights, experts), each
+    routes and sorts all of them and computes its own groups (megablox's group_offset; the
+    other groups' rows are zeros), and the float32 outputs are reduce-scattered over
+    `expert`, each row's sum landing on its own rank, then rounded once. Rows that do not
+    split over `expert` stay replicated on its ranks, the outputs summed (psum). Each rank
+    holds the group's [N X, .] rows: an all-to-all would send each (token, expert) row to
+    its expert's rank only (1 / expert of them, at the price of ragged exchanges); this
+    dispatch moves the group's [N, D] per layer each way, which at X = expert (Qwen3-30B-A3B on
+    v5p-64: 8 and 8) is what an all-to-all moves.
 
 Each layer's expert weight gradients are computed within its own backward: `expert_ffn` passes
 its input and the three stacks through one `optimization_barrier`, whose transpose yields the
@@ -60,6 +65,7 @@ does (experiment.validate refuses "grouped" off a TPU backend).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -162,6 +168,10 @@ def expert_ffn(
     expert_axis = axes[1] if axes else None
 
     def local(x_BxTxD, w_BxTxX, e_BxTxX, gate, up, down):  # one device's rows and experts
+        scatter = expert_axis is not None and expert_axis in axes[0]
+        if scatter:  # dispatch: the expert group's rows, on each of its ranks
+            gather = functools.partial(jax.lax.all_gather, axis_name=expert_axis, tiled=True)
+            x_BxTxD, w_BxTxX, e_BxTxX = gather(x_BxTxD), gather(w_BxTxX), gather(e_BxTxX)
         rb = x_BxTxD.shape[0]
         first = None
         if expert_axis:
@@ -176,7 +186,10 @@ def expert_ffn(
             fp8,
             interpret,
         )
-        if expert_axis:  # each rank's experts' share of every token: the sum over ranks
+        if scatter:  # combine: each row's sum over the ranks' experts, on the row's own rank
+            out = jax.lax.psum_scatter(out, expert_axis, scatter_dimension=0, tiled=True)
+            rb //= jax.lax.axis_size(expert_axis)
+        elif expert_axis:  # rows replicated over the ranks: the sum, on every rank
             out = jax.lax.psum(out, expert_axis)
         return out.astype(dt).reshape(rb, t, d)
 

@@ -13,20 +13,19 @@ its X experts, whatever the others do, so the block is a function of each token 
 
 The experts' computation here is the dense path: every expert runs on every token, and the
 routing weights enter as a [B, T, E] combine matrix that is zero off each token's top-k. It is
-exact (a non-selected expert's output is multiplied by 0 and adds 0, and its weights get a
-zero gradient from that token), has no data-dependent shapes (jit-able, differentiable, the
-same program for any routing) and shards over the experts with GSPMD alone: with the expert
-stacks split over the `expert` mesh axis each rank computes its own experts for its rows, and
-the sum over experts becomes one all-reduce over that axis, as the tensor-parallel down
-projection of a dense MLP is. Its cost is E / X times the routed flops and a [B, T, E, F]
-activation: the path for CPU tests and small models. The weights of all experts are stacked,
-expert axis first ([E, D, F] and [E, F, D], logical axis "expert"), the layout grouped-matmul
-kernels read. The combine matrix multiplies the SwiGLU activation before the down projection,
-so the down projection and the sum over experts are one contraction over (E, F) and no
-[B, T, E, D] tensor exists. transformers weighs each expert's output after its down projection
-instead: the same function, with other rounding points in bfloat16 (and, with fp8 activations,
-a scale per token where transformers' would be per token and expert); the parity tests compare
-float32 logits.
+exact (a non-selected expert's output is multiplied by 0 and adds 0, and its weights get a zero
+gradient from that token), has no data-dependent shapes (jit-able, differentiable, the same
+program for any routing) and shards over the experts with GSPMD alone: with the expert stacks
+split over the `expert` mesh axis (also a batch axis: parallel/sharding.py) GSPMD places the
+contraction over the experts and its collectives itself. Its cost is E / X times the routed
+flops and a [B, T, E, F] activation: the path for CPU tests and small models. The weights of
+all experts are stacked, expert axis first ([E, D, F] and [E, F, D], logical axis "expert"),
+the layout grouped-matmul kernels read. The combine matrix multiplies the SwiGLU activation
+before the down projection, so the down projection and the sum over experts are one contraction
+over (E, F) and no [B, T, E, D] tensor exists. transformers weighs each expert's output after
+its down projection instead: the same function, with other rounding points in bfloat16 (and,
+with fp8 activations, a scale per token where transformers' would be per token and expert); the
+parity tests compare float32 logits.
 
 Routing replay (R3, arXiv 2510.11370): `route` takes a token's experts from a recorded
 routing instead of its own top-k where one is given (`replay_BxTxX`, NOT_RECORDED = -1: the

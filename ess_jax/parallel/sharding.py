@@ -5,13 +5,18 @@ parameters and optimizer state), `tensor` (Megatron-style model parallel), `expe
 parallel: a mixture-of-experts layer's experts split over its ranks, model/moe.py; size 1 by
 default, and a dense model places nothing on it).
 
-`expert` is a model-parallel axis, as `tensor` is, not a data axis: its ranks see the same rows
-(it is not in BATCH). Each holds E / expert of every MoE layer's experts (logical axis "expert",
-in both layouts) and computes them for those rows; moe.py's dense expert path sums over the
-experts in one contraction, which GSPMD turns into an all-reduce over `expert`. The other
-weights are replicated over it. A size-1 axis, or one the mesh lacks, is left out of every
-PartitionSpec (`logical_to_spec`): with expert = 1 every array is placed by the other three
-axes alone. It is the last mesh axis, after `tensor`.
+`expert` is a data axis outside the MoE blocks and an expert axis inside them (Megatron's
+"allgather" token dispatcher): the batch is split over it (it is in BATCH), so attention, the
+dense layers and the LM head compute each row once, and each rank holds E / expert of every
+MoE layer's experts (logical axis "expert", in both layouts). In an MoE block the ranks of one
+expert group gather their rows (the group's rows: those of one data x fsdp rank), each computes
+its own experts for all of them, and the float32 outputs are summed back onto each row's own
+rank (model/grouped.py: all-gather in, reduce-scatter out; moe.py's dense path: GSPMD's
+collectives for the same contraction). Ranks holding the same rows would repeat every dense
+computation "expert" times. Non-expert weights are replicated over it
+in both layouts (FSDP shards them over `fsdp` only). A size-1 axis, or one the mesh lacks, is
+left out of every PartitionSpec (`logical_to_spec`): with expert = 1 every array is placed by
+the other three axes alone. It is the last mesh axis, after `tensor`.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
-BATCH = ("data", "fsdp")  # the batch is split over every data-parallel axis
+BATCH = ("data", "fsdp", "expert")  # the batch is split over every data-parallel axis
 
 # Logical axis -> mesh axis. Train: FSDP shards the `embed` dim of every matrix so params
 # and Adam moments are split over all data ranks. Sample: decode steps are latency bound,
@@ -239,7 +244,7 @@ def shard_batch(batch, mesh: Mesh):
         if x.ndim == 0:
             return put_host_array(x, replicated(mesh))
         if x.shape[0] % n:
-            raise ValueError(f"batch dim {x.shape[0]} not divisible by data*fsdp = {n}")
+            raise ValueError(f"batch dim {x.shape[0]} not divisible by data*fsdp*expert = {n}")
         return put_host_array(x, batch_sharding(mesh, x.ndim))
 
     return jax.tree.map(put, batch)
