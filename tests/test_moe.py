@@ -280,7 +280,8 @@ def test_planner_counts_every_local_expert_in_the_feed_forward_activations():
     Catches: a planner that sizes Qwen3-30B-A3B's 48 sparse layers by intermediate_size (16x
     under: it would say a run fits that does not), one that ignores the expert split over the
     `expert` mesh axis or the expert group's rows gathered on each of its ranks (4x under at
-    expert 4), and one that sizes the grouped path as the dense one (16x over)."""
+    expert 4), one that charges replicated rows (a batch that does not split) that factor (4x
+    over), and one that sizes the grouped path as the dense one (16x over)."""
     from ess_jax.memory import planner, terms
 
     cfg = weights.config_from_hf(KNOWN_MODELS["Qwen3-30B-A3B"])
@@ -293,6 +294,9 @@ def test_planner_counts_every_local_expert_in_the_feed_forward_activations():
     assert terms.ffn_width(grouped, one) == 8 * (768 + 2048)
     assert terms.ffn_width(grouped, four) == 4 * 8 * (768 + 2048)
     assert terms.batch_split(64, four) == terms.batch_split(64, one) == 16  # expert: a data axis
+    # rows that do not split stay whole on every rank: no expert group's factor
+    assert terms.ffn_width(grouped, four, rows=2) == 8 * (768 + 2048)
+    assert terms.ffn_width(grouped, four, rows=8) == 4 * 8 * (768 + 2048)
     dense = cfg.replace(num_experts=0, num_experts_per_tok=0)
     assert terms.ffn_width(dense, one) == cfg.intermediate_size
     acts = terms.train_terms(cfg, one, 1, 1024)["activations"]

@@ -95,8 +95,12 @@ def step_row(record: dict) -> tuple[dict, float, float]:
         plan = planner.plan(config, record["devices"], device)
         mesh = planner.abstract_mesh(sharding.mesh_shape(dict(config.mesh), record["devices"]))
         length = max(config.data.buckets) + config.rollout.max_new_tokens  # as plan() has it
+        t = config.train
+        rows = config.data.prompts_per_step * config.rollout.group_size
+        rows = rows // t.updates_per_batch // t.num_microbatches  # a micro-batch's, as plan()
         if packed.by_tokens(config):
             length = int(config.train.pack_length) or length
+            rows = None  # one packed row per device
     step_terms = plan.phases["train step"]
     bases = {k: step_terms.get(name, 0.0) / tpu_terms.TPU_COEF[k] for k, name in TERMS.items()}
     fixed = sum(v for name, v in step_terms.items() if name not in TERMS.values())
@@ -106,7 +110,7 @@ def step_row(record: dict) -> tuple[dict, float, float]:
     splash = cfg.attention_impl == "splash"
     chunk = cfg.logits_chunk if 0 < cfg.logits_chunk < length else length  # queries at once
     bases["attention"] = 0.0 if splash else tokens * heads * chunk * 4
-    bases["feed_forward"] = tokens * terms.ffn_width(cfg, mesh) * b
+    bases["feed_forward"] = tokens * terms.ffn_width(cfg, mesh, rows) * b
     step = record["programs"]["rl_step"]
     arguments = step["memory"]["argument"] + fixed
     return bases, step["compiler_bytes"] - arguments, arguments

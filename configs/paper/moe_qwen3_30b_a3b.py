@@ -48,7 +48,8 @@ def get_config(arg: str | None = None):
     # (expert ranks x a device's, model/grouped.py), so at common.finish's 4 rows per device
     # its dispatched rows are 32 sequences' (a 2-layer slice: 44.1 GB per device, 14.3 at 1)
     per_update = c.data.prompts_per_step * c.rollout.group_size // c.train.updates_per_batch
-    c.train.num_microbatches = per_update // math.prod(c.mesh.get(a, 1) for a in sharding.BATCH)
+    rows = math.prod(c.mesh.get(a, 1) for a in sharding.BATCH)
+    c.train.num_microbatches = max(1, per_update // rows)
     c.model.routing_replay = "sampler" if replay else "none"
     if preset.startswith("v"):  # a TPU slice: megablox (GPUs: the dense expert path)
         c.model.moe_impl = "grouped"

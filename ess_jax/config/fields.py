@@ -54,7 +54,9 @@ class MeshFields:
     data: int = knob(1, MESH_AXIS, "data-parallel ranks (each its own rows of the batch)")
     fsdp: int = knob(-1, MESH_AXIS, "ranks sharding the params and optimizer state (FSDP)")
     tensor: int = knob(1, MESH_AXIS, "ranks sharding each matmul (tensor parallel)")
-    expert: int = knob(1, MESH_AXIS, "ranks splitting each MoE layer's experts (expert parallel)")
+    expert: int = knob(
+        1, MESH_AXIS, "ranks splitting each MoE layer's experts, and the batch outside MoE blocks"
+    )
 
 
 @frozen

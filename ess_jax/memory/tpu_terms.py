@@ -153,9 +153,9 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     logits and, with tied embeddings, the shared table gathered with its float32 gradient
     (the lookup's and the LM head's, whole: an untied model's Qwen3-4B widths compile 2.4 GB
     of temporaries below the tied one's, results/tpu_fit/, with more arguments); on a
-    mixture-of-experts model every sparse layer's expert stacks in float32, whole over
-    "fsdp" (the Qwen3-30B-A3B slices' temporaries grow by 0.8 GB a layer where update and
-    stash give 0.4: a fitted count, not a buffer read off the dumps). One layer's recomputed
+    mixture-of-experts model one MoE block's dispatched rows (its expert group's rows, r x T
+    x terms.ffn_width x the compute dtype's bytes: on the Qwen3-30B-A3B slices the step is
+    14.3 GB at 1 row per device and 44.1 at 4, docs/memory.md). One layer's recomputed
     attention and feed-forward activations are at the peak too (a [r, H, C, T] float32 score
     buffer and its gradient in Qwen3-4B's), yet take no weight of their own in the fit: the
     other terms' coefficients absorb them and the allocator's fragmentation (memory_analysis's

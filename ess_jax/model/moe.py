@@ -53,10 +53,9 @@ from ess_jax.model import grouped, param_init
 from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import dense, matmul_input
 
-# the MoE block's parameters; the expert stacks' names differ from the dense MLP's gate / up /
-# down, so that code keyed on a matrix's name (quant.INPUT_AXES) reads their own layout
-ROUTER = "router"
-EXPERT_MATRICES = ("expert_gate", "expert_up", "expert_down")
+# The MoE block's parameters are `router` and the expert stacks `expert_gate` / `expert_up` /
+# `expert_down`, named apart from the dense MLP's gate / up / down so that code keyed on a
+# matrix's name (quant.INPUT_AXES) reads their own layout.
 # a routing entry with no recorded experts: the block routes that token by its own top-k
 NOT_RECORDED = -1
 # the batch key of a recorded routing [B, L, Ls, X] in the trainer's forwards (rl/update.py

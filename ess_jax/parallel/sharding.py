@@ -37,7 +37,8 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 BATCH = ("data", "fsdp", "expert")  # the batch is split over every data-parallel axis
 
 # Logical axis -> mesh axis. Train: FSDP shards the `embed` dim of every matrix so params
-# and Adam moments are split over all data ranks. Sample: decode steps are latency bound,
+# and Adam moments are split over the `fsdp` ranks (replicated over `data` and, but for the
+# expert stacks, over `expert`). Sample: decode steps are latency bound,
 # so weights are only tensor-sharded (no per-step all-gather of FSDP shards).
 TRAIN_RULES: dict[str, Any] = {
     "vocab": "tensor",

@@ -7,7 +7,7 @@ Axis alphabet (ARCHITECTURE.md): B rows of the rollout batch (prompts x G), U up
 of b = B' / M rows, P prompt width, T response length, L = P + T.
 
 `Learner.learn(state, rollout, params_b, ref_params)`, on the host:
-  1 batch     `rollout_to_batch`, sharded over rows ("data", "fsdp"): tokens int32 [B, L],
+  1 batch     `rollout_to_batch`, sharded over rows (sharding.BATCH): tokens int32 [B, L],
               attn_mask bool [B, L], mask float32 [B, T] (the loss mask), behaviour_logp and
               advantages float32 [B, T]; with objective.kl_estimator "full" policy_version
               int32 [B, 1] and pi_b's params (`full_kl.FullKL.inputs`)
