@@ -72,8 +72,8 @@ def test_each_condition_sets_what_its_name_says_and_nothing_else_differs():
     """Catches a condition that sets the wrong knob or value (lag 8 left out of a compound, upd8
     at T 1 or with 4 updates, ext75 at 50%), and an arm tuned apart from the committed map: with
     the condition's fields taken out, one of the committed map's nine (stability_map.FIRST) has
-    the config of its t1.0 arm there, and a new objective the config of GRPO's t1.0 arm outside `objective`, whose
-    fields are the defaults but for those common.OBJECTIVES names."""
+    the config of its t1.0 arm there, and a new objective the config of GRPO's t1.0 arm
+    outside `objective`, whose fields are the defaults but for those common.OBJECTIVES names."""
     defaults = base_config().objective.to_dict()
     reference = _unconditioned(committed.get_config("t1.0_grpo_eps0.2"))
     for arm in harsh.ARMS:
