@@ -169,7 +169,6 @@ def phase_step(row, coef: dict) -> float:
 def phase_fit(rows) -> dict[str, float]:
     """The phase model's coefficients (0 to 12 each) minimising the relative errors' squares,
     the best of 12 random starts (the max makes it piecewise linear)."""
-    from scipy.optimize import least_squares
 
     def residuals(c):
         coef = dict(zip(PHASE_TERMS, c))
@@ -177,7 +176,9 @@ def phase_fit(rows) -> dict[str, float]:
 
     rng = np.random.default_rng(0)
     fits = [
-        least_squares(residuals, rng.uniform(0.2, 4.0, len(PHASE_TERMS)), bounds=(0, 12))
+        scipy.optimize.least_squares(
+            residuals, rng.uniform(0.2, 4.0, len(PHASE_TERMS)), bounds=(0, 12)
+        )
         for _ in range(12)
     ]
     return dict(zip(PHASE_TERMS, min(fits, key=lambda f: f.cost).x.tolist()))

@@ -111,19 +111,20 @@ def base(source: str = QWEN3_4B, max_new_tokens: int = 4096):
     return c
 
 
-def finish(c, preset: str, min_tensor: int = 1, expert: int = 1):
+def finish(c, preset: str, min_tensor: int = 1, expert: int = 1, train_rows: int | None = None):
     """Applies the hardware preset (mesh and batching) or the CPU `tiny` shrink, then sizes a
     DAPO arm's overlong buffer from the final max_new_tokens (DAPO_OVERLONG_FRACTION).
     `min_tensor`: tensor parallelism at least this wide (fewer FSDP ranks), for a larger sample
     layout. `expert`: a mixture of experts' expert ranks, taken from the data ranks, then the
-    FSDP ones, as far as they divide (the sample layout keeps E / expert experts per device)."""
-    c = _fit(c, preset, min_tensor, expert)
+    FSDP ones, as far as they divide (the sample layout keeps E / expert experts per device).
+    `train_rows`: rows per device of a train micro-batch, in place of BATCHING's."""
+    c = _fit(c, preset, min_tensor, expert, train_rows)
     if c.objective.name == "dapo":
         c.rollout.overlong_buffer = max(1, c.rollout.max_new_tokens // DAPO_OVERLONG_FRACTION)
     return c
 
 
-def _fit(c, preset: str, min_tensor: int, expert: int = 1):
+def _fit(c, preset: str, min_tensor: int, expert: int = 1, rows: int | None = None):
     if preset == "tiny":  # SmolLM2-135M: a real tokenizer (the data is LaTeX), CPU-sized
         c.mesh = {"data": 1, "fsdp": -1, "tensor": 1}
         c.model.source = "smollm2"
@@ -155,7 +156,8 @@ def _fit(c, preset: str, min_tensor: int, expert: int = 1):
     # micro-batch and of a sampler call at 4K new tokens, fewer for longer responses.
     scale = max(1, c.rollout.max_new_tokens // 4096)
     train_rows, sample_rows = (max(1, n // scale) for n in BATCHING[preset])
-    ranks = math.prod(c.mesh.get(a, 1) for a in sharding.BATCH)  # expert ranks split rows too
+    train_rows = rows or train_rows
+    ranks = sharding.batch_ranks(c.mesh)  # expert ranks split rows too
     per_update = c.data.prompts_per_step * c.rollout.group_size // c.train.updates_per_batch
     c.train.num_microbatches = max(1, per_update // (train_rows * ranks))
     per_call = max(1, sample_rows * ranks // c.rollout.group_size)

@@ -24,10 +24,7 @@ compiler on each slice, its dispatched-rows term fitted to the 2- and 8-layer on
 Unknown: everything a run would measure; this file is the shape of the run.
 """
 
-import math
-
 from configs.paper import common
-from ess_jax.parallel import sharding
 
 ARMS = ("p3o", "p3o+replay")
 PRESETS = ("v5p-64",)  # tools/plan_memory.py; the default here
@@ -41,15 +38,12 @@ def get_config(arg: str | None = None):
     arm, preset = common.parse(arg, ARMS, PRESETS)
     objective, _, replay = arm.partition("+")
     c = common.with_objective(common.base(source=QWEN3_30B_A3B), objective)
-    c = common.finish(c, preset, expert=EXPERT_RANKS)
+    # One row per device in a train micro-batch: an MoE block computes its expert group's rows
+    # (expert ranks x a device's, model/grouped.py), so at BATCHING's 4 rows per device its
+    # dispatched rows are 32 sequences' (a 2-layer slice: 44.1 GB per device, 14.3 at 1)
+    c = common.finish(c, preset, expert=EXPERT_RANKS, train_rows=1)
     if preset == "tiny":  # SmolLM2: dense
         return c
-    # One row per device in a train micro-batch: an MoE block computes its expert group's rows
-    # (expert ranks x a device's, model/grouped.py), so at common.finish's 4 rows per device
-    # its dispatched rows are 32 sequences' (a 2-layer slice: 44.1 GB per device, 14.3 at 1)
-    per_update = c.data.prompts_per_step * c.rollout.group_size // c.train.updates_per_batch
-    rows = math.prod(c.mesh.get(a, 1) for a in sharding.BATCH)
-    c.train.num_microbatches = max(1, per_update // rows)
     c.model.routing_replay = "sampler" if replay else "none"
     if preset.startswith("v"):  # a TPU slice: megablox (GPUs: the dense expert path)
         c.model.moe_impl = "grouped"

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 from jax.sharding import AbstractMesh, AxisType
@@ -229,7 +228,7 @@ def plan(
     rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch // t.num_microbatches
     scored = r.max_new_tokens
     if packed.by_tokens(config):  # one packed row per device, the LM head on all of it
-        rows = math.prod(amesh.shape[a] for a in sharding_lib.BATCH)
+        rows = sharding_lib.batch_ranks(amesh.shape)
         seq_len = scored = int(t.pack_length) or seq_len
     full_kl = config.objective.get("kl_estimator") == "full"
     n_full = (1 + (r.external_fraction > 0)) if full_kl else 0

@@ -34,7 +34,6 @@ counts a loop body once.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -123,7 +122,7 @@ def token_batch(rows: int, prompt: int, length: int, pack_length: int, mesh):
     lengths packing.long_tailed_mask assumes (seed 0; the paper states none), so M and the
     regrouped rows are those of one such batch: D C M padded rows beside D M packed rows."""
     mask = packing.long_tailed_mask(np.random.default_rng(0), rows, prompt, length - prompt)
-    blocks = math.prod(mesh.shape[a] for a in sharding_lib.BATCH)  # the batch's row blocks
+    blocks = sharding_lib.batch_ranks(mesh.shape)  # the batch's row blocks
     s = packed.length_for(pack_length, length)
     rg = packing.regroup(mask, s, blocks)
     batch, sh = _batch(len(rg.index), prompt, length, mesh), sharding_lib.batch_sharding(mesh)

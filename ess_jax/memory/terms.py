@@ -192,7 +192,7 @@ def axis_split(n: int, mesh, axis: str) -> int:
 def batch_split(n: int, mesh) -> float:
     """n rows split over the batch's mesh axes (sharding.BATCH: data x fsdp x expert) when
     they divide, else whole."""
-    k = math.prod(mesh.shape.get(a, 1) for a in sharding_lib.BATCH)
+    k = sharding_lib.batch_ranks(mesh.shape)
     return n / k if n % k == 0 else float(n)
 
 

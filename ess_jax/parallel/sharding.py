@@ -231,6 +231,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def batch_ranks(shape: Mapping[str, int]) -> int:
+    """The row blocks a batch splits into: the product of BATCH's sizes in `shape` (a mesh's
+    shape, or a config's {axis: size}; an axis it lacks counts 1)."""
+    return math.prod(shape.get(a, 1) for a in BATCH)
+
+
 def shard_batch(batch, mesh: Mesh):
     """device_put every array of a batch with its leading dim split over the data axes.
 
@@ -238,7 +244,7 @@ def shard_batch(batch, mesh: Mesh):
     rewards are deterministic) and places only the rows of its own devices: no transfer between
     hosts, and none of the cross-host equality check that `jax.device_put` makes of host data.
     """
-    n = _mesh_axis_size(mesh, BATCH)
+    n = batch_ranks(mesh.shape)
 
     def put(x):
         x = np.asarray(x) if not isinstance(x, jax.Array) else x

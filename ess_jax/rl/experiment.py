@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from typing import Any
 
@@ -101,7 +100,7 @@ def validate(config) -> None:
     _check_experts(config)
     device_split.check(config)  # one process, a device split that leaves both sides some
     sizes = _mesh_sizes(config)
-    data_ranks = math.prod(sizes[a] for a in sharding_lib.BATCH)
+    data_ranks = sharding_lib.batch_ranks(sizes)
     per_update = config.data.prompts_per_step * r.group_size // config.train.updates_per_batch
     micro_batch = per_update // config.train.num_microbatches
     if micro_batch % data_ranks:

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -180,7 +179,7 @@ class Learner:
         return self.compiled[key]
 
     def _row_blocks(self) -> int:
-        return math.prod(self.mesh.shape[a] for a in sharding_lib.BATCH)
+        return sharding_lib.batch_ranks(self.mesh.shape)
 
     def _routing_flip(self, state, rollout, batch) -> float | None:
         """`routing_flip` of an MoE rollout (None without a recorded routing): the share of the
@@ -298,7 +297,7 @@ def update_step(ucfg: UpdateConfig, key: StepKey, batch_sh, state, rows, behavio
     shuffle = None
     if scopes.shuffled(ocfg, m):
         shuffle = jax.random.fold_in(jax.random.key(ucfg.seed), state.step)
-    row_blocks = math.prod(batch_sh.mesh.shape[a] for a in sharding_lib.BATCH)
+    row_blocks = sharding_lib.batch_ranks(batch_sh.mesh.shape)
 
     # micro-batches, the ESS statistics pass and the gradient
     loss, grads, metrics = step_loss_and_grad(
