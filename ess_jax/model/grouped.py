@@ -45,10 +45,16 @@ width):
     other groups' rows are zeros), and the float32 outputs are reduce-scattered over
     `expert`, each row's sum landing on its own rank, then rounded once. Rows that do not
     split over `expert` stay replicated on its ranks, the outputs summed (psum). Each rank
-    holds the group's [N X, .] rows: an all-to-all would send each (token, expert) row to
-    its expert's rank only (1 / expert of them, at the price of ragged exchanges); this
-    dispatch moves the group's [N, D] per layer each way, which at X = expert (Qwen3-30B-A3B on
-    v5p-64: 8 and 8) is what an all-to-all moves.
+    holds the group's [N X, .] rows. Why not an all-to-all (`jax.lax.ragged_all_to_all`,
+    each (token, expert) row sent to its expert's rank only): its receive buffer has a static
+    shape, so it must hold the worst case, every row routed to one rank's experts: expert x
+    the local rows x min(local experts, X) rows, which is the group's N X rows whenever a rank
+    holds X experts or more (Qwen3-30B-A3B on v5p-64: 16 local experts, X 8; MaxText sizes
+    its ragged all-to-all's buffer the same way). A smaller buffer drops rows when the
+    routing is unbalanced, and a dropped row makes the trainer compute another function than
+    the sampler did: a mismatch this codebase measures, not one it adds. The bytes moved are
+    equal too: this dispatch moves the group's [N, D] per layer each way, which at X =
+    expert (8 and 8 there) is what an all-to-all moves.
 
 Each layer's expert weight gradients are computed within its own backward: `expert_ffn` passes
 its input and the three stacks through one `optimization_barrier`, whose transpose yields the
