@@ -21,8 +21,8 @@ compiled and the largest, with what the run holds beside it (`beside_bytes`), st
 presets.MEM_FRACTION of the device's HBM. Times are the compiler's estimates, never
 measurements; flops and bytes count a loop body once (`loop_trips` says how often it runs).
 Large programs take minutes each on two cores (a Qwen3-4B RL step: 5-10). --layers=N compiles
-(and plans) the model's first N layers only, for a program too large to compile whole here
-(Qwen3-30B-A3B's 48-layer RL step passed 18 GB of host memory while compiling).
+(and plans) the model's first N layers only, for a program too large to compile whole on a
+host (Qwen3-30B-A3B's 48-layer RL step takes about 41 GB of host memory while compiling).
 """
 
 from __future__ import annotations
