@@ -1,6 +1,6 @@
 """Fits the train step's coefficients of ess_jax/memory/tpu_terms.py (TPU_COEF's update, stash,
-embedding, logits, moe_rows) to the TPU compiler's RL steps, and prints them with each compile's
-error in sample and left out of the fit:
+embedding, logits, logits_splash, moe_rows) to the TPU compiler's RL steps, and prints them with
+each compile's error in sample and left out of the fit:
 
     .venv/bin/python tools/fit_tpu_terms.py
 
@@ -11,8 +11,10 @@ default) or "held-out". Per compile, each term's basis is the planner's train-st
 (planner.plan on the record's device and device count) over its coefficient, and the target
 the compiler's bytes less the step's arguments (its outputs alias them): the bytes the terms
 stand for. Least squares weighted by 1 / target (relative errors) over the "fit" compiles: the
-four dense terms over the dense models' steps, then `moe_rows` over the mixture-of-experts ones,
-the dense four fixed; a held-out compile is not fitted. Errors are (arguments + the
+four dense terms over the dense models' steps with einsum attention, then `moe_rows` over the
+mixture-of-experts ones and `logits_splash` (the LM head's term with splash attention, which
+writes none of the einsum path's chunk scores that `logits` carries) over the splash ones,
+each with the dense four fixed; a held-out compile is not fitted. Errors are (arguments + the
 terms at the coefficients - compiler) / compiler. Plans only, compiles nothing (seconds).
 
 `--phases` fits, instead, the step as a peak over two phases, over every RL step (the
@@ -54,9 +56,11 @@ TERMS = {
     "stash": "activations (remat: block inputs)",
     "embedding": "embedding (gathered, its gradient)",
     "logits": "logits",
+    "logits_splash": "logits",  # the same term of a step with splash attention
     "moe_rows": "dispatched rows (one MoE block)",
 }
 MOE = ("moe_rows",)  # fitted over the mixture-of-experts steps
+SPLASH = ("logits_splash",)  # fitted over the steps with splash attention
 DENSE = ("update", "stash", "embedding", "logits")  # fitted together over the dense steps
 
 
@@ -102,12 +106,16 @@ def step_row(record: dict) -> tuple[dict, float, float]:
             length = int(config.train.pack_length) or length
             rows = None  # one packed row per device
     step_terms = plan.phases["train step"]
-    bases = {k: step_terms.get(name, 0.0) / tpu_terms.TPU_COEF[k] for k, name in TERMS.items()}
+    splash = cfg.attention_impl == "splash"
+    unused = "logits" if splash else "logits_splash"  # the LM head's term takes the other one
+    bases = {
+        k: 0.0 if k == unused else step_terms.get(name, 0.0) / tpu_terms.TPU_COEF[k]
+        for k, name in TERMS.items()
+    }
     fixed = sum(v for name, v in step_terms.items() if name not in TERMS.values())
     b = np.dtype(cfg.compute_dtype).itemsize
     tokens = bases["stash"] / (cfg.num_layers * cfg.hidden_size * b)  # r T of a micro-batch
     heads = terms.axis_split(cfg.num_heads, mesh, "tensor")
-    splash = cfg.attention_impl == "splash"
     chunk = cfg.logits_chunk if 0 < cfg.logits_chunk < length else length  # queries at once
     bases["attention"] = 0.0 if splash else tokens * heads * chunk * 4
     bases["feed_forward"] = tokens * terms.ffn_width(cfg, mesh, rows) * b
@@ -134,17 +142,20 @@ def read_rows(root: str = ROOT) -> list[tuple[str, str, dict, float, float, floa
 
 def fit(rows) -> dict[str, float]:
     """Least squares of the targets over the bases, weighted by 1 / target: DENSE's over the
-    dense steps, then MOE's over the mixture-of-experts ones with DENSE's fixed, none below 0
-    (non-negative least squares: a term counts bytes; 0 without any)."""
-    dense = [r for r in rows if not r[2]["moe_rows"]]
+    dense einsum steps, then MOE's over the mixture-of-experts ones and SPLASH's over the
+    splash ones, each with DENSE's fixed and none below 0 (non-negative least squares: a term
+    counts bytes; 0 without any)."""
+    dense = [r for r in rows if not r[2]["moe_rows"] and not r[2]["logits_splash"]]
     a = np.array([[r[2][k] for k in DENSE] for r in dense]) / np.array([[r[3]] for r in dense])
     coef = dict(zip(DENSE, np.linalg.lstsq(a, np.ones(len(dense)), rcond=None)[0].tolist()))
-    moe = [r for r in rows if r[2]["moe_rows"]]
-    if not moe:
-        return {**coef, **dict.fromkeys(MOE, 0.0)}
-    a = np.array([[r[2][k] / r[3] for k in MOE] for r in moe])
-    rest = np.array([(r[3] - sum(coef[k] * r[2][k] for k in DENSE)) / r[3] for r in moe])
-    coef.update(zip(MOE, scipy.optimize.nnls(a, rest)[0].tolist()))  # bytes: not below 0
+    for keys in (MOE, SPLASH):
+        some = [r for r in rows if any(r[2][k] for k in keys)]
+        if not some:
+            coef.update(dict.fromkeys(keys, 0.0))
+            continue
+        a = np.array([[r[2][k] / r[3] for k in keys] for r in some])
+        rest = np.array([(r[3] - sum(coef[k] * r[2][k] for k in DENSE)) / r[3] for r in some])
+        coef.update(zip(keys, scipy.optimize.nnls(a, rest)[0].tolist()))  # bytes: not below 0
     return coef
 
 
@@ -161,7 +172,8 @@ PHASE_TERMS = PHASES["base"] + PHASES["head"] + PHASES["layer"]
 
 def phase_step(row, coef: dict) -> float:
     """The step's bytes under the phase model (module docstring) at `coef`."""
-    bases, args = row[2], row[4]
+    bases, args = dict(row[2]), row[4]
+    bases["logits"] += bases["logits_splash"]  # one LM-head term here; attention tells them apart
     total = {p: sum(coef[k] * bases[k] for k in ks) for p, ks in PHASES.items()}
     return args + total["base"] + max(total["head"], total["layer"])
 
@@ -209,7 +221,7 @@ def main(argv=None) -> int:
     coef = fit(used)
     print(f"coefficients over {len(used)} compiles (TPU_COEF in tpu_terms.py):")
     for k, v in coef.items():
-        print(f"  {k:<10} {v:5.2f}   TPU_COEF {tpu_terms.TPU_COEF[k]:.2f}")
+        print(f"  {k:<13} {v:5.2f}   TPU_COEF {tpu_terms.TPU_COEF[k]:.2f}")
     print(f"{'compile':<58} {'GB':>6} {'in fit':>7} {'left out':>9}")
     for row in rows:
         gb = row[5] / 1e9

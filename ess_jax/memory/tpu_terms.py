@@ -39,6 +39,11 @@ TPU_COEF = {
     "stash": 1.78,  # x L r T D b: every layer's block input, and the buffers of its gradient
     "embedding": 2.90,  # x the embedding's float32 bytes (tensor-split): gathered copy, gradient
     "logits": 2.53,  # x r C V 4: an LM-head chunk's float32 logits and their gradient
+    # the same term with model.attention_impl "splash": the einsum path's chunk scores ([r, H,
+    # C, T] float32, its query chunk the LM head's C) grow with r x C too, so "logits" above
+    # carries them; splash never writes them. Fitted over the splash RL steps with the other
+    # dense coefficients fixed (tools/fit_tpu_terms.py)
+    "logits_splash": 0.74,
     # mixture of experts: x r T W b, W = terms.ffn_width: one MoE block's dispatched rows (its
     # expert group's rows, X per token, of width F + D on the grouped path); the same fit's one
     # coefficient over three Qwen3-30B-A3B slices (2 layers at 1 and 4 rows per device, 8 at
@@ -160,7 +165,9 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     buffer and its gradient in Qwen3-4B's), yet take no weight of their own in the fit: the
     other terms' coefficients absorb them and the allocator's fragmentation (memory_analysis's
     temporaries with the arguments exceed the live peak by 26-76% in docs/tpu.md's four
-    dumps). Without remat, or with LoRA (QLoRA), the step is not measured on TPU:
+    dumps). With splash attention no layer writes those scores: the LM head's term takes its
+    own coefficient, fitted to the splash steps (TPU_COEF's "logits_splash"). Without remat,
+    or with LoRA (QLoRA), the step is not measured on TPU:
     terms.train_terms (XLA:CPU's)."""
     if not cfg.remat or cfg.lora_rank:
         return terms.train_terms(cfg, mesh, rows, seq_len, full_kl_models, scored_len)
@@ -177,7 +184,8 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     }
     if cfg.tie_embeddings:  # the shared table's float32 gradient, whole (docstring)
         out["embedding (gathered, its gradient)"] = k["embedding"] * embedding
-    out["logits"] = k["logits"] * r * c_head * v * 4
+    head = "logits_splash" if cfg.attention_impl == "splash" else "logits"  # (TPU_COEF)
+    out["logits"] = k[head] * r * c_head * v * 4
     if cfg.num_experts:  # one MoE block's dispatched rows (its expert group's); dense: none
         dispatched = r * t * terms.ffn_width(cfg, mesh, rows) * b
         out["dispatched rows (one MoE block)"] = k["moe_rows"] * dispatched
