@@ -57,7 +57,7 @@ def sliced(config, layers: int):
     """`config` with its model cut to its first `layers` layers: model.source becomes a
     directory holding only that slice's config.json (the checkpoint's, or KNOWN_MODELS' by the
     directory's name, with num_hidden_layers = `layers`), for a program too large to compile
-    whole on this host. The planner plans the same slice."""
+    whole on the host at hand. The planner plans the same slice."""
     source = str(config.model.source).rstrip("/")
     name = os.path.basename(source)
     path = os.path.join(source, "config.json")

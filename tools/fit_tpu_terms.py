@@ -18,7 +18,7 @@ each with the dense four fixed; a held-out compile is not fitted. Errors are (ar
 terms at the coefficients - compiler) / compiler. Plans only, compiles nothing (seconds).
 
 `--phases` fits, instead, the step as a peak over two phases, over every RL step (the
-mixture-of-experts slices and the held-out compiles included): arguments + update + stash +
+mixture-of-experts ones and the held-out compiles included): arguments + update + stash +
 max(embedding + logits, attention + feed_forward), the LM head's backward against one
 layer's recomputed backward, `attention` its einsum chunk's float32 scores (r H C T 4; none
 with splash), `feed_forward` its activations (r T F b, terms.ffn_width). It prints each
@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import tempfile
+from unittest import mock
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +88,8 @@ def step_row(record: dict) -> tuple[dict, float, float]:
     bases with the phase model's `attention` and `feed_forward` (`--phases`); a term the
     planner leaves out of this step (an untied model's embedding, a dense model's experts)
     has basis 0. The planner's train-step terms that are not fitted here count with the
-    arguments, as fixed bytes."""
+    arguments, as fixed bytes. The plan is made with the fitted coefficients at 1, so each
+    fitted term is its basis (a coefficient fitted to 0 stays fittable)."""
     import compile_tpu
 
     device = record["topology"].split(":")[0]  # v5e:2x4 -> v5e, a key of presets.HBM
@@ -96,7 +98,8 @@ def step_row(record: dict) -> tuple[dict, float, float]:
         if record.get("layers"):  # compiled with --layers: the planner plans the same slice
             config = compile_tpu.sliced(config, record["layers"])
         cfg = planner.model_config(config.model)
-        plan = planner.plan(config, record["devices"], device)
+        with mock.patch.dict(tpu_terms.TPU_COEF, dict.fromkeys(TERMS, 1.0)):
+            plan = planner.plan(config, record["devices"], device)
         mesh = planner.abstract_mesh(sharding.mesh_shape(dict(config.mesh), record["devices"]))
         length = max(config.data.buckets) + config.rollout.max_new_tokens  # as plan() has it
         t = config.train
@@ -108,10 +111,7 @@ def step_row(record: dict) -> tuple[dict, float, float]:
     step_terms = plan.phases["train step"]
     splash = cfg.attention_impl == "splash"
     unused = "logits" if splash else "logits_splash"  # the LM head's term takes the other one
-    bases = {
-        k: 0.0 if k == unused else step_terms.get(name, 0.0) / tpu_terms.TPU_COEF[k]
-        for k, name in TERMS.items()
-    }
+    bases = {k: 0.0 if k == unused else step_terms.get(name, 0.0) for k, name in TERMS.items()}
     fixed = sum(v for name, v in step_terms.items() if name not in TERMS.values())
     b = np.dtype(cfg.compute_dtype).itemsize
     tokens = bases["stash"] / (cfg.num_layers * cfg.hidden_size * b)  # r T of a micro-batch
@@ -145,6 +145,8 @@ def fit(rows) -> dict[str, float]:
     dense einsum steps, then MOE's over the mixture-of-experts ones and SPLASH's over the
     splash ones, each with DENSE's fixed and none below 0 (non-negative least squares: a term
     counts bytes; 0 without any)."""
+    if any(r[2]["moe_rows"] and r[2]["logits_splash"] for r in rows):  # each fit fixes DENSE only
+        raise ValueError("a mixture-of-experts step with splash attention: no fit takes it")
     dense = [r for r in rows if not r[2]["moe_rows"] and not r[2]["logits_splash"]]
     a = np.array([[r[2][k] for k in DENSE] for r in dense]) / np.array([[r[3]] for r in dense])
     coef = dict(zip(DENSE, np.linalg.lstsq(a, np.ones(len(dense)), rcond=None)[0].tolist()))

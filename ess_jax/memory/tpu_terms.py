@@ -33,21 +33,22 @@ from ess_jax.sampling.decode import decode_bounds
 # The TPU compiler's bytes per unit of each term (module docstring), fitted to libtpu 0.0.42.1's
 # memory_analysis on v5e and v5p topologies only: on v4, v6e and tpu7x they are extrapolated.
 TPU_COEF = {
-    # train step (model.remat): tools/fit_tpu_terms.py's least-squares fit over the 8 "fit"
-    # RL steps of results/tpu/ and results/tpu_fit/, rounded to 2 decimals
+    # train step (model.remat): tools/fit_tpu_terms.py's least-squares fit over the 8 dense
+    # einsum "fit" RL steps of results/tpu/ and results/tpu_fit/, rounded to 2 decimals
     "update": 2.75,  # x params shard: gradient accumulator, a micro-batch's gradient, AdamW's
     "stash": 1.78,  # x L r T D b: every layer's block input, and the buffers of its gradient
     "embedding": 2.90,  # x the embedding's float32 bytes (tensor-split): gathered copy, gradient
     "logits": 2.53,  # x r C V 4: an LM-head chunk's float32 logits and their gradient
     # the same term with model.attention_impl "splash": the einsum path's chunk scores ([r, H,
-    # C, T] float32, its query chunk the LM head's C) grow with r x C too, so "logits" above
-    # carries them; splash never writes them. Fitted over the splash RL steps with the other
-    # dense coefficients fixed (tools/fit_tpu_terms.py)
+    # C, T] float32, its query chunk the LM head's C) grow with r x C too (x H T against the
+    # logits' V: 1.1 at E3's lengths, 3.7 at E5's), so "logits" above carries them at the
+    # fitted lengths; splash never writes them. Fitted over the four "fit" splash RL steps
+    # with the other dense coefficients fixed (tools/fit_tpu_terms.py)
     "logits_splash": 0.74,
     # mixture of experts: x r T W b, W = terms.ffn_width: one MoE block's dispatched rows (its
     # expert group's rows, X per token, of width F + D on the grouped path); the same fit's one
     # coefficient over three Qwen3-30B-A3B slices (2 layers at 1 and 4 rows per device, 8 at
-    # 1), the dense coefficients fixed (the 4- and 6-layer slices held out)
+    # 1), the dense coefficients fixed (the 4- and 6-layer slices and the whole step held out)
     "moe_rows": 4.34,
     # sampler: fitted by hand to the E3 v5p-8 record's sampler programs (their errors there
     # are in sample)
