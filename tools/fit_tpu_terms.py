@@ -8,7 +8,7 @@ Reads the `rl_step` of every record in results/tpu/ (paper configs, tools/compil
 results/tpu_fit/ (smaller models: `model` is the config.json over `model_base`, `config` the
 dotted settings over config/defaults.py's base_config); a record's `role` is "fit" (the
 default) or "held-out". Per compile, each term's basis is the planner's train-step term
-(planner.plan on the record's device and device count) over its coefficient, and the target
+(planner.plan on the record's device and device count) with its coefficient at 1, and the target
 the compiler's bytes less the step's arguments (its outputs alias them): the bytes the terms
 stand for. Least squares weighted by 1 / target (relative errors) over the "fit" compiles: the
 four dense terms over the dense models' steps with einsum attention, then `moe_rows` over the
