@@ -60,13 +60,29 @@ def tree_bytes(abstract, shardings) -> int:
     )
 
 
+@functools.lru_cache(maxsize=256)
+def param_shards(cfg, mesh, mode: str) -> tuple[tuple[str | None, int, tuple, np.dtype], ...]:
+    """(name, ndim, per-device shard shape, dtype) of every param, in the `train` or `sample`
+    layout: what the byte counts below read. Cached: a plan asks for the same model's layouts
+    dozens of times, and mapping ~400 params' logical axes onto the mesh each time was half
+    of docs/paper_scale.md's 530 plans (param_shardings: 24 of 45 s here)."""
+    flat = jax.tree_util.tree_leaves_with_path(model_lib.abstract_params(cfg))
+    shardings = jax.tree.leaves(model_lib.param_shardings(cfg, mesh, mode))
+    return tuple(
+        (getattr(path[-1], "key", None), x.ndim, tuple(s.shard_shape(x.shape)), x.dtype)
+        for (path, x), s in zip(flat, shardings)
+    )
+
+
 def param_bytes(cfg, mesh, mode: str, dtype=None) -> int:
     """Per-device bytes of the params in the `train` or `sample` layout (float32 masters, or
     `dtype`: the sampler's bfloat16 copy, the gathered compute-dtype weights)."""
-    abstract = model_lib.abstract_params(cfg)
-    if dtype is not None:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), abstract)
-    return tree_bytes(abstract, model_lib.param_shardings(cfg, mesh, mode))
+    return int(
+        sum(
+            math.prod(shard) * quant.code_bytes(x_dtype if dtype is None else dtype)
+            for _, _, shard, x_dtype in param_shards(cfg, mesh, mode)
+        )
+    )
 
 
 def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
@@ -80,13 +96,9 @@ def sampler_copy_bytes(cfg, mesh, precision: str) -> int:
     if precision == "float32":
         return 0
     total = 0.0
-    shardings = model_lib.param_shardings(cfg, mesh, "sample")
-    flat = jax.tree_util.tree_leaves_with_path(model_lib.abstract_params(cfg))
-    for (path, x), s in zip(flat, jax.tree.leaves(shardings)):
-        shard = s.shard_shape(x.shape)
+    for name, ndim, shard, _ in param_shards(cfg, mesh, "sample"):
         elems = math.prod(shard)
-        name = getattr(path[-1], "key", None)
-        if x.ndim < 2:
+        if ndim < 2:
             total += 4 * elems
         elif fmt.codes is not None and name in INPUT_AXES:
             # the scales keep the matrix's output axes' shards, whole over its input axes
@@ -108,12 +120,7 @@ def kv_bytes_per_element(cfg, kv_cache: str = "compute") -> float:
 
 def embedding_bytes(cfg, mesh, dtype) -> int:
     """Per-device bytes of the embedding and LM head in the sample layout, in `dtype`."""
-    abstract = model_lib.abstract_params(cfg)
-    shardings = model_lib.param_shardings(cfg, mesh, "sample")
-    keys = [k for k in ("embed", "lm_head") if k in abstract]
-    return tree_bytes(
-        [jax.ShapeDtypeStruct(abstract[k].shape, dtype) for k in keys], [shardings[k] for k in keys]
-    )
+    return named_bytes(cfg, mesh, dtype, "sample", ("embed", "lm_head"))
 
 
 def block_bytes(cfg, mesh, dtype, mode: str = "train") -> int:
@@ -125,14 +132,14 @@ def block_bytes(cfg, mesh, dtype, mode: str = "train") -> int:
 def named_bytes(cfg, mesh, dtype, mode: str, names) -> int:
     """Per-device bytes, in `dtype` and the `mode` layout, of the params whose name is in
     `names`."""
-    flat = jax.tree_util.tree_leaves_with_path(model_lib.abstract_params(cfg))
-    shardings = jax.tree.leaves(model_lib.param_shardings(cfg, mesh, mode))
-    chosen = [
-        (jax.ShapeDtypeStruct(x.shape, dtype), s)
-        for (path, x), s in zip(flat, shardings)
-        if getattr(path[-1], "key", None) in names
-    ]
-    return tree_bytes([x for x, _ in chosen], [s for _, s in chosen])
+    b = quant.code_bytes(dtype)
+    return int(
+        sum(
+            math.prod(shard) * b
+            for name, _, shard, _ in param_shards(cfg, mesh, mode)
+            if name in names
+        )
+    )
 
 
 def trainable(cfg, tree):
@@ -158,9 +165,14 @@ def optimizer_bytes(cfg, mesh, optim: dict) -> int:
     """Per-device bytes of the AdamW state of `config.optim`: moments take their param's
     layout (as steps.init_state places them), scalars are replicated. With LoRA: the
     adapters' state only."""
+    return _optimizer_bytes(cfg, mesh, tuple(sorted(optim.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _optimizer_bytes(cfg, mesh, items: tuple) -> int:
+    # cached as param_shards is: mapping the state onto the layout is most of a plan's time
     from ess_jax.rl.optim import make_optimizer
 
-    items = tuple(sorted(optim.items()))
     tx = make_optimizer({**dict(items), "total_steps": 1})
     opt = optimizer_shapes(cfg, items)
     rep = NamedSharding(mesh, jax.sharding.PartitionSpec())
