@@ -202,6 +202,20 @@ def test_sharded_forward_equals_single_device(tiny):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
+def test_row_axes_split_rows_only_where_the_data_parallel_ranks_divide_them():
+    """Catches rows split over the data-parallel axes when their ranks do not divide the rows
+    (a sharding constraint or shard_map that cannot place a batch of 2 on 4 ranks), over an
+    axis of one rank or over "tensor" (which splits heads, not rows): the one rule the
+    decoder's activations, the splash kernel and the grouped experts split rows by."""
+    axes = ("data", "fsdp", "tensor", "expert")
+    mesh = lambda *shape: jax.sharding.AbstractMesh(shape, axes)
+    assert sharding.row_axes(mesh(2, 2, 2, 1), 8) == ("data", "fsdp")
+    assert sharding.row_axes(mesh(2, 2, 2, 1), 2) == ()
+    assert sharding.row_axes(mesh(1, 4, 2, 2), 16) == ("fsdp", "expert")
+    assert sharding.row_axes(mesh(1, 1, 8, 1), 8) == ()
+    assert sharding.row_axes(mesh(1, 1, 1, 1), 3) == ()
+
+
 def test_kv_cache_decode_matches_full_forward(tiny):
     cfg, params = tiny
     b, t, prompt = 3, 12, 5

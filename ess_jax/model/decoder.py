@@ -34,7 +34,7 @@ from ess_jax.model import lora, moe, param_init
 from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import dense, matmul_input, rms_norm
 from ess_jax.model.self_attention import Attention
-from ess_jax.parallel.sharding import BATCH, SAMPLE_RULES, TRAIN_RULES, tree_shardings
+from ess_jax.parallel.sharding import SAMPLE_RULES, TRAIN_RULES, row_axes, tree_shardings
 
 Params = dict[str, Any]
 
@@ -43,9 +43,8 @@ def shard_rows(x_BxTxD: jax.Array) -> jax.Array:
     """Rows over the data-parallel mesh axes when traced under a mesh (`jax.set_mesh` or
     `use_abstract_mesh`, as the trainer's steps are). Without it GSPMD follows the FSDP-sharded
     weights and every device computes the activations of the whole global batch."""
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = tuple(a for a in BATCH if a in mesh.axis_names and mesh.shape[a] > 1)
-    if not axes or x_BxTxD.shape[0] % math.prod(mesh.shape[a] for a in axes):
+    axes = row_axes(jax.sharding.get_abstract_mesh(), x_BxTxD.shape[0])
+    if not axes:
         return x_BxTxD
     spec = PartitionSpec(axes, *([None] * (x_BxTxD.ndim - 1)))
     return jax.lax.with_sharding_constraint(x_BxTxD, spec)

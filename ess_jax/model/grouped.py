@@ -80,7 +80,7 @@ from jax.sharding import PartitionSpec
 
 from ess_jax.model.layers import matmul_input
 from ess_jax.model.mosaic import under_precision
-from ess_jax.parallel.sharding import BATCH
+from ess_jax.parallel.sharding import row_axes
 
 # Pallas interpret mode instead of the TPU kernel; tests only (module docstring).
 INTERPRET = False
@@ -151,9 +151,7 @@ def _mesh_axes(b: int, e: int):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
         return None
-    rows = tuple(a for a in BATCH if a in mesh.axis_names and mesh.shape[a] > 1)
-    if rows and b % math.prod(mesh.shape[a] for a in rows):
-        rows = ()
+    rows = row_axes(mesh, b)
     ranks = mesh.shape.get("expert", 1)
     return rows, ("expert" if ranks > 1 and e % ranks == 0 else None)
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from ess_jax.model.mosaic import under_precision
-from ess_jax.parallel.sharding import BATCH
+from ess_jax.parallel.sharding import row_axes
 
 # Pallas interpret mode instead of the TPU kernel; tests only (module docstring).
 INTERPRET = False
@@ -99,9 +99,7 @@ def _shard_specs(b: int, n: int):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
         return None
-    rows = tuple(a for a in BATCH if a in mesh.axis_names and mesh.shape[a] > 1)
-    if not rows or b % math.prod(mesh.shape[a] for a in rows):
-        rows = None
+    rows = row_axes(mesh, b) or None
     heads = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
     if heads and n % mesh.shape["tensor"]:
         heads = None

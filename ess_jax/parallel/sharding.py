@@ -231,6 +231,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def row_axes(mesh, rows: int) -> tuple[str, ...]:
+    """The BATCH axes of `mesh` (a Mesh or AbstractMesh) with more than one rank, when their
+    product divides `rows`; () when it does not (rows then stay whole on every device) or
+    when there are none. Where a traced program splits B rows: the decoder's activations, the
+    splash kernel's and the grouped experts' shard_maps."""
+    axes = tuple(a for a in BATCH if a in mesh.axis_names and mesh.shape[a] > 1)
+    return axes if axes and rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
 def batch_ranks(shape: Mapping[str, int]) -> int:
     """The row blocks a batch splits into: the product of BATCH's sizes in `shape` (a mesh's
     shape, or a config's {axis: size}; an axis it lacks counts 1)."""
