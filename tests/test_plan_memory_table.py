@@ -57,3 +57,14 @@ def test_refused_preset_prints_the_plan_then_the_miss(capsys):
     over = (plan.peak - plan.usable) / GB
     assert over > 1
     assert out[-1].endswith(f"of 14.4 GB usable (90% of 16 GB): DOES NOT FIT: {over:.2f} GB over")
+
+
+def test_lora_tables_are_the_planners():
+    """Catches docs/memory.md's LoRA / QLoRA tables left stale by a planner change (regenerate
+    them with `tools/lora_memory_table.py --write=docs/memory.md`): a change to the TPU sampler
+    terms moved six of their cells without the tables following it. 48 plans, ~11 s."""
+    import lora_memory_table  # tools/lora_memory_table.py
+
+    path = os.path.join(ROOT, "docs", "memory.md")
+    for precision, table in lora_memory_table.tables().items():
+        assert lora_memory_table.table_in(path, precision) == table, precision

@@ -12,11 +12,17 @@ peak live set in its `*live-range.txt`):
     where XLA:CPU keeps every layer's gathered weights alive (terms.COEF["gathered"]);
   - a decode segment's cache is the segment's own bound, not the whole length; the compiler
     hoists out of the decode loop a relaid-out copy of every layer's q / k / v projections
-    (bfloat16 weights) or a bfloat16 copy of every block matrix (float32 weights: the MXU's
-    default precision rounds float32 operands to bfloat16), and reads one layer's bfloat16
-    cache as float32;
+    (16-bit and quantized weights) or, at 2 or more rows per device, a bfloat16 copy of every
+    block matrix (float32 weights: the MXU's default precision rounds float32 operands to
+    bfloat16), and reads one layer's bfloat16 cache as float32;
+  - two more decode layouts, read off Qwen3-4B's segments on v5p-8 at 1 to 16 rows per device
+    (`hoisted_weights`): at one row per device float32 weights get no bfloat16 copy (the k
+    and v projections are relaid out in float32 instead); and from LARGE_CACHE_BYTES of one
+    layer's keys per device, a quantized sampler's q and o projections are dequantised to
+    bfloat16 in buffers of their own (heads whole on the device), and a float32 one-row
+    segment copies every layer's keys;
   - with the vocabulary split over "tensor", the sampler's programs hold the whole embedding
-    table once (`lookup_table`);
+    table once (`lookup_table`), but for a single prompt's prefill without FSDP;
   - the train -> sample reshard gathers every param into a buffer of its own and copies it
     into the output: a second full copy of the sample-layout params (above VMEM's size; a
     model smaller than that gathers into VMEM, which memory_analysis does not count).
@@ -58,6 +64,11 @@ TPU_COEF = {
 }
 # The TPU generations of the compiles TPU_COEF is fitted to; on the others it is extrapolated.
 FITTED = ("v5e", "v5p")
+# One layer's keys per device (rows x kv heads x head dim x cache positions x bytes) from
+# which the compiler lays a decode segment out the second way (module docstring), read off
+# Qwen3-4B's decode segments on v5p-8 (results/tpu/*rows*, *fp8*): 25.2 MB compiles the first
+# way, 33.6 MB (= 32 MiB) and more the second, in float32 at one row as in bfloat16 at 4 to 16.
+LARGE_CACHE_BYTES = 32 * 2**20
 # Memory that memory_analysis does not count (the cores' VMEM): a reshard of fewer bytes than
 # this gathers into it (a 65 MB model: no temporaries), a larger one into HBM (Qwen3-4B).
 VMEM_BYTES = 128 * 2**20
@@ -85,15 +96,36 @@ def reshard_buffers(cfg, mesh) -> float:
     return float(full) if full > VMEM_BYTES else 0.0
 
 
-def hoisted_weights(cfg, mesh, precision: str) -> float:
-    """Per-device bytes of the weights the TPU compiler copies out of the decode loop (module
-    docstring): float32 weights -> every block matrix in bfloat16; 16-bit weights -> every
-    layer's q / k / v projections relaid out; quantized formats -> the same projections."""
-    if precision == "float32":
-        return float(terms.block_bytes(cfg, mesh, np.dtype("bfloat16"), "sample"))
+def hoisted_weights(cfg, mesh, precision: str, rows: float, positions: int, kv_cache: str) -> float:
+    """Per-device bytes of the weights (and cache) the TPU compiler copies in a decode segment
+    of `rows` rows per device and `positions` cache positions (module docstring):
+      - float32 weights, 2 or more rows: a bfloat16 copy of every block matrix, hoisted out of
+        the loop; one row: no copy (the products read float32), every layer's k and v
+        projections relaid out in float32 instead and, with a large cache (`large_cache`),
+        a second copy of every layer's keys;
+      - 16-bit weights: every layer's q / k / v projections relaid out;
+      - quantized formats: the same, and with a large cache and the heads whole on each device
+        (tensor 1) every layer's q and o projections dequantised to bfloat16 in buffers of
+        their own (with the heads split over tensor 4 the compiler makes none)."""
     h = terms.axis_split(cfg.num_heads, mesh, "tensor")
     n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
-    return float(cfg.num_layers * cfg.hidden_size * (h + 2 * n_kv) * cfg.head_dim * 2)
+    d, k, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
+    keys = rows * n_kv * k * positions * terms.kv_bytes_per_element(cfg, kv_cache)  # a layer's
+    if precision == "float32":
+        if rows >= 2:
+            return float(terms.block_bytes(cfg, mesh, np.dtype("bfloat16"), "sample"))
+        return layers * (d * 2 * n_kv * k * 4 + (keys if large_cache(keys) else 0.0))
+    relaid = layers * d * (h + 2 * n_kv) * k * 2
+    if precision in ("bfloat16", "float16"):
+        return float(relaid)
+    dequantised = large_cache(keys) and mesh.shape["tensor"] == 1
+    return relaid + (layers * 2 * d * h * k * 2 if dequantised else 0.0)
+
+
+def large_cache(key_bytes: float) -> bool:
+    """Whether one layer's keys, per device, are large enough (LARGE_CACHE_BYTES) for the
+    TPU compiler's second decode layout (module docstring)."""
+    return key_bytes >= LARGE_CACHE_BYTES
 
 
 def sampler_terms(
@@ -126,7 +158,8 @@ def sampler_terms(
         + k["prefill_mlp"] * uniq * prompt_len * f * b
     )
     lookup = lookup_table(cfg, mesh, precision)
-    decode = draw + hoisted_weights(cfg, mesh, precision) + lookup
+    hoisted = hoisted_weights(cfg, mesh, precision, terms.batch_split(rows, mesh), s, kv_cache)
+    decode = draw + hoisted + lookup
     if terms.kv_bytes_per_element(cfg, kv_cache) < 4:  # one layer's K and V read as float32
         decode += 2 * terms.batch_split(rows, mesh) * n_kv * s * cfg.head_dim * 4
     return {
@@ -134,7 +167,8 @@ def sampler_terms(
         "prefill_cache": cache_bytes(
             cfg, mesh, rows, prompt_len + decode_bounds(new_tokens)[0], kv_cache
         ),  # fmt: skip
-        "prefill": prefill + draw + lookup,
+        # a single prompt's prefill without FSDP holds none of the table (lookup_table)
+        "prefill": prefill + draw + (0.0 if prompts == 1 and mesh.shape["fsdp"] == 1 else lookup),
         "decode": decode,
     }
 
@@ -145,7 +179,11 @@ def lookup_table(cfg, mesh, precision: str) -> float:
     copy in the sampler's weight dtype (16 bits, float32 for float32 weights). Measured on
     the E7 arm on v5p-64 (tensor 2; results/tpu): without this term every sampler program of
     the policy (Qwen3-4B, 0.78 GB in bfloat16), of the external model (Qwen3-8B, 1.24 GB) and
-    of eval (float32, 1.56 GB) was under the compiler by about this much, 8-15%."""
+    of eval (float32, 1.56 GB) was under the compiler by about this much, 8-15%. The
+    exception, which sampler_terms makes: the prefill of a single prompt without FSDP holds
+    none of it (Qwen3-4B with tensor 4 on v4-8 and v5p-8: 0.17 to 0.19 GB of temporaries;
+    planned without the table, -6% to -3%). A single prompt's prefill with FSDP 4 (E3's eval
+    on v5e-16) holds about half of it: planned with the whole table, +14% (a known miss)."""
     t = mesh.shape["tensor"]
     if t == 1 or cfg.vocab_size % t:
         return 0.0
