@@ -22,7 +22,8 @@ peak live set in its `*live-range.txt`):
     bfloat16 in buffers of their own (heads whole on the device), and a float32 one-row
     segment copies every layer's keys;
   - with the vocabulary split over "tensor", the sampler's programs hold the whole embedding
-    table once (`lookup_table`), but for a single prompt's prefill without FSDP;
+    table once (`lookup_table`), but a single prompt's prefill (none without FSDP, a 16-bit
+    copy with it: `prefill_lookup`);
   - the train -> sample reshard gathers every param into a buffer of its own and copies it
     into the output: a second full copy of the sample-layout params (above VMEM's size; a
     model smaller than that gathers into VMEM, which memory_analysis does not count).
@@ -167,10 +168,17 @@ def sampler_terms(
         "prefill_cache": cache_bytes(
             cfg, mesh, rows, prompt_len + decode_bounds(new_tokens)[0], kv_cache
         ),  # fmt: skip
-        # a single prompt's prefill without FSDP holds none of the table (lookup_table)
-        "prefill": prefill + draw + (0.0 if prompts == 1 and mesh.shape["fsdp"] == 1 else lookup),
+        "prefill": prefill + draw + (prefill_lookup(cfg, mesh, lookup) if prompts == 1 else lookup),
         "decode": decode,
     }
+
+
+def prefill_lookup(cfg, mesh, table: float) -> float:
+    """Per-device bytes of the embedding table (`table`, lookup_table's) that the prefill of a
+    single prompt holds: none without FSDP, else a 16-bit copy (lookup_table's docstring)."""
+    if mesh.shape["fsdp"] == 1:
+        return 0.0
+    return min(table, float(cfg.vocab_size * cfg.hidden_size * 2))
 
 
 def lookup_table(cfg, mesh, precision: str) -> float:
@@ -180,10 +188,10 @@ def lookup_table(cfg, mesh, precision: str) -> float:
     the E7 arm on v5p-64 (tensor 2; results/tpu): without this term every sampler program of
     the policy (Qwen3-4B, 0.78 GB in bfloat16), of the external model (Qwen3-8B, 1.24 GB) and
     of eval (float32, 1.56 GB) was under the compiler by about this much, 8-15%. The
-    exception, which sampler_terms makes: the prefill of a single prompt without FSDP holds
-    none of it (Qwen3-4B with tensor 4 on v4-8 and v5p-8: 0.17 to 0.19 GB of temporaries;
-    planned without the table, -6% to -3%). A single prompt's prefill with FSDP 4 (E3's eval
-    on v5e-16) holds about half of it: planned with the whole table, +14% (a known miss)."""
+    prefill of a single prompt differs (`prefill_lookup`): without FSDP it holds none of the
+    table (Qwen3-4B with tensor 4 on v4-8 and v5p-8: 0.17 to 0.19 GB of temporaries), with
+    FSDP a 16-bit copy (float32 eval on v5e-16 and with fsdp 2 x tensor 2 on v5p-8: 0.87 and
+    0.85 GB of temporaries, the bfloat16 table 0.78; a bfloat16 sampler's 0.77)."""
     t = mesh.shape["tensor"]
     if t == 1 or cfg.vocab_size % t:
         return 0.0
