@@ -354,19 +354,34 @@ def test_planner_within_10_percent_of_every_committed_compile(monkeypatch):
     (every record replanned: a planner change left without --replan)."""
     records = compile_tpu.read_records()
     assert len(records) >= 5
-    # The planner's known miss, stated in docs/tpu.md, pinned to the band it is reported in:
-    # E5's step on v4-8 (held out; TPU_COEF is fitted to v5e and v5p compiles), +15% (v4-8's
-    # mesh on v5p-8, at v5p-8's micro-batches: -8%)
-    e5_v4 = ("configs/paper/e5_fp8.py:p3o,v4-8", None, None)
-    known = {(*e5_v4, "rl_step"): (0.10, 0.20)}
+    # The planner's known misses, stated in docs/tpu.md, pinned to the band each is reported
+    # in, all RL steps held out of the fit: E5's on v4-8, +15%, and on v5p-8 with v4-8's mesh
+    # and micro-batches (tensor 4, no FSDP, one row per device), +17% (at 4 rows: -8%); E3's
+    # on v6e-8, -29% (on v5p with v6e-8's mesh and micro-batches: +9%)
+    e5_v4 = ("configs/paper/e5_fp8.py:p3o,v4-8", "v4:2x2x1", None, None)
+    e5_v4_rows = ("configs/paper/e5_fp8.py:p3o,v5p-8", "v5p:2x2x1", None,
+                  "mesh.fsdp=1 mesh.tensor=4 train.num_microbatches=1024")  # fmt: skip
+    e3_v6e = ("configs/paper/e3_temperature_1p2.py:p3o,v6e-8", "v6e:2x4", None, None)
+    known = {
+        (*e5_v4, "rl_step"): (0.10, 0.20),
+        (*e5_v4_rows, "rl_step"): (0.10, 0.20),
+        (*e3_v6e, "rl_step"): (-0.35, -0.20),
+    }
     for rec in records:
         settings = rec.get("set") or []
-        key = (rec["config"], rec.get("layers"), " ".join(settings) or None)
+        key = (rec["config"], rec["topology"], rec.get("layers"), " ".join(settings) or None)
         for name, p in rec["programs"].items():
             if "planner_bytes" in p:
                 err = (p["planner_bytes"] - p["compiler_bytes"]) / p["compiler_bytes"]
                 low, high = known.get((*key, name), (-0.10, 0.10))
                 assert low <= err <= high, (rec["config"], name, f"{err:+.1%}")
+    # a plan on v4 or v6e prints its generation's compiled step against the plan: the records'
+    from ess_jax.memory import tpu_terms
+
+    for key, (_, ratio) in zip((e5_v4, e3_v6e), tpu_terms.EXTRAPOLATED_STEPS.values()):
+        rec = next(r for r in records if (r["config"], r["topology"]) == key[:2])
+        step = rec["programs"]["rl_step"]
+        assert round(step["compiler_bytes"] / step["planner_bytes"], 2) == ratio, key
     monkeypatch.chdir(ROOT)
     for rec in records:
         assert compile_tpu.replan(rec) == rec, (rec["config"], rec["topology"])
@@ -389,17 +404,20 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # Qwen2.5-1.5B's widths on v5e:2x4 and Qwen3-4B's untied, E7 on v5p-64, E5 with
     # micro-batches by tokens, E3's and E5's first 4 layers with einsum, the 4- and 6-layer MoE
     # slices and the whole 48-layer step, E5 on v4-8 and on v5p-8 with v4-8's mesh (tensor 4,
-    # no FSDP), the splash steps of E2 on v5e-8, E5 on v5e-16 and E3 on v5p-64
-    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 14
+    # no FSDP) at v5p-8's micro-batches and at v4-8's, the splash steps of E2 on v5e-8, E5 on
+    # v5e-16 and E3 on v5p-64, E3 on v6e-8 and on v5p with v6e-8's mesh
+    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 17
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
     }
+    # the known misses (test_planner_within_10_percent_of_every_committed_compile)
+    known = {"tpu/e5_fp8__p3o__v4-8.json": (0.10, 0.20),
+             "tpu/e5_fp8__p3o__v5p-8__tensor4_rows1.json": (0.10, 0.20),
+             "tpu/e3_temperature_1p2__p3o__v6e-8.json": (-0.35, -0.20)}  # fmt: skip
     for row in rows:  # in sample and held out, the step within 10% of the compiler
-        if "__v4-8" in row[0]:  # extrapolated to v4 (v4-8's mesh on v5p-8: -8%; docs/tpu.md)
-            assert 0.10 <= fit_tpu_terms.error(row, tpu_terms.TPU_COEF) <= 0.20, row[0]
-            continue
-        assert abs(fit_tpu_terms.error(row, tpu_terms.TPU_COEF)) <= 0.10, row[0]
+        low, high = known.get(row[0], (-0.10, 0.10))
+        assert low <= fit_tpu_terms.error(row, tpu_terms.TPU_COEF) <= high, row[0]
 
 
 def test_tpu_plan_has_the_compilers_terms():
@@ -461,4 +479,5 @@ def test_sample_phase_frees_the_gather_and_fsdp_1_moves_nothing():
     v4 = planner.plan(e3_temperature_1p2.get_config("p3o,v4-8"), 4, "v4")
     assert v4.mesh["fsdp"] == 1 and "reshard" not in v4.phases
     assert v4.lines()[-1].startswith("extrapolated:")
+    assert "E5 on v4-8's RL step is 0.87x its plan" in v4.lines()[-1]
     assert not plan.lines()[-1].startswith("extrapolated:")

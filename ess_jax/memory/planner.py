@@ -130,10 +130,14 @@ class Plan:
             f"{HBM[self.device] / GB:.0f} GB): {verdict}"
         )
         if tpu_terms.is_tpu(self.device) and self.device not in tpu_terms.FITTED:
-            out.append(
+            line = (
                 f"extrapolated: the TPU terms are fitted on {' and '.join(tpu_terms.FITTED)} "
-                f"compiles, not {self.device} (docs/memory.md#tpu)"
+                f"compiles, not {self.device}"
             )
+            if self.device in tpu_terms.EXTRAPOLATED_STEPS:
+                name, ratio = tpu_terms.EXTRAPOLATED_STEPS[self.device]
+                line += f"; compiled, {name}'s RL step is {ratio:.2f}x its plan"
+            out.append(line + " (docs/tpu.md)")
         return out
 
 

@@ -65,6 +65,11 @@ TPU_COEF = {
 }
 # The TPU generations of the compiles TPU_COEF is fitted to; on the others it is extrapolated.
 FITTED = ("v5e", "v5p")
+# On the others, the held-out RL steps compiled there (results/tpu): the compiler's bytes over
+# the planner's, which a plan on that generation prints. v4's miss is not v4's (E5 on v5p-8
+# with v4-8's mesh and micro-batches: 0.85); v6e's is (E3 on v5p with v6e-8's mesh and
+# micro-batches: 0.92).
+EXTRAPOLATED_STEPS = {"v4": ("E5 on v4-8", 0.87), "v6e": ("E3 on v6e-8", 1.40)}
 # One layer's keys per device (rows x kv heads x head dim x cache positions x bytes) from
 # which the compiler lays a decode segment out the second way (module docstring), read off
 # Qwen3-4B's decode segments on v5p-8 (results/tpu/*rows*, *fp8*): 25.2 MB compiles the first
