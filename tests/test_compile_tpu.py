@@ -5,6 +5,7 @@ A one-layer embedded model with 8 prompts x 2 samples, 4 new tokens, one SFT ste
 bfloat16: every kind of program a run has, each compiling in about a second.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -340,7 +341,7 @@ def test_docs_table_is_the_committed_records():
     assert plan_memory.table_in(doc, compile_tpu.BEGIN, compile_tpu.END) == table
 
 
-def test_planner_within_10_percent_of_every_committed_compile(monkeypatch):
+def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_misses(monkeypatch):
     """Catches a TPU planner term that drifts from the compiler (a decode segment planned at
     the whole length's cache, the reshard without its second copy, every layer's gathered
     weights in the step: XLA:CPU's terms, +48% to +78%; a splash step planned with the einsum
@@ -375,13 +376,16 @@ def test_planner_within_10_percent_of_every_committed_compile(monkeypatch):
                 err = (p["planner_bytes"] - p["compiler_bytes"]) / p["compiler_bytes"]
                 low, high = known.get((*key, name), (-0.10, 0.10))
                 assert low <= err <= high, (rec["config"], name, f"{err:+.1%}")
-    # a plan on v4 or v6e prints its generation's compiled step against the plan: the records'
+    # a plan on v6e prints the compiled step against its plan: the record's ratio
     from ess_jax.memory import tpu_terms
 
-    for key, (_, ratio) in zip((e5_v4, e3_v6e), tpu_terms.EXTRAPOLATED_STEPS.values()):
+    steps = {"v6e": ("E3 on v6e-8", e3_v6e)}
+    assert set(tpu_terms.EXTRAPOLATED_STEPS) == set(steps)
+    for device, (name, key) in steps.items():
         rec = next(r for r in records if (r["config"], r["topology"]) == key[:2])
         step = rec["programs"]["rl_step"]
-        assert round(step["compiler_bytes"] / step["planner_bytes"], 2) == ratio, key
+        ratio = round(step["compiler_bytes"] / step["planner_bytes"], 2)
+        assert tpu_terms.EXTRAPOLATED_STEPS[device] == (name, ratio), device
     monkeypatch.chdir(ROOT)
     for rec in records:
         assert compile_tpu.replan(rec) == rec, (rec["config"], rec["topology"])
@@ -411,13 +415,44 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
     }
-    # the known misses (test_planner_within_10_percent_of_every_committed_compile)
+    # the known misses (test_planner_within_10_percent_..._but_the_pinned_misses)
     known = {"tpu/e5_fp8__p3o__v4-8.json": (0.10, 0.20),
              "tpu/e5_fp8__p3o__v5p-8__tensor4_rows1.json": (0.10, 0.20),
              "tpu/e3_temperature_1p2__p3o__v6e-8.json": (-0.35, -0.20)}  # fmt: skip
     for row in rows:  # in sample and held out, the step within 10% of the compiler
         low, high = known.get(row[0], (-0.10, 0.10))
         assert low <= fit_tpu_terms.error(row, tpu_terms.TPU_COEF) <= high, row[0]
+
+
+def test_decode_layouts_by_rows_cache_and_heads():
+    """Catches the TPU decode layouts (tpu_terms.hoisted_weights, docs/tpu.md's E5) applied
+    where the compiles show none: a quantized sampler's bfloat16 q and o copies below 32 MiB
+    of one layer's keys per device or with the heads split over tensor (E5 with tensor 4 would
+    be planned +3 points higher, inside the 10% band), float32 weights' bfloat16 copy at one
+    row per device (+36% on E5's eval), or the key copy at two rows."""
+    from configs.paper import e5_fp8
+    from ess_jax.memory import planner, terms, tpu_terms
+
+    cfg = planner.model_config(e5_fp8.get_config("p3o,v5p-8").model)  # Qwen3-4B
+    t1, t4 = planner.abstract_mesh({"fsdp": 4}), planner.abstract_mesh({"tensor": 4})
+    d, h, n, k, layers = 2560, 32, 8, 128, 36
+    relaid, q_and_o = layers * d * (h + 2 * n) * k * 2, layers * 2 * d * h * k * 2
+    hoisted = tpu_terms.hoisted_weights
+    # one layer's keys: 4 rows x 8 kv heads x 128 x positions x 2 bytes; 32 MiB at 4096
+    assert hoisted(cfg, t1, "fp8", 4, 4095, "compute") == relaid
+    assert hoisted(cfg, t1, "fp8", 4, 4096, "compute") == relaid + q_and_o
+    assert hoisted(cfg, t1, "bfloat16", 4, 4096, "compute") == relaid
+    # tensor 4: a quarter of the heads per device, no q / o copies at any length
+    assert hoisted(cfg, t4, "fp8", 16, 17408, "compute") == layers * d * (h + 2 * n) // 4 * k * 2
+    # float32: one row, k and v relaid out in float32 (and the keys from 32 MiB: 1 row x 8 x
+    # 128 x 8192 x 4 bytes); two rows, the bfloat16 copy of every block matrix
+    kv_f32 = layers * d * 2 * n * k * 4
+    f32 = dataclasses.replace(cfg, dtype="float32")
+    assert hoisted(f32, t1, "float32", 1, 8191, "compute") == kv_f32
+    assert hoisted(f32, t1, "float32", 1, 8192, "compute") == kv_f32 + layers * n * k * 8192 * 4
+    assert hoisted(f32, t1, "float32", 2, 8192, "compute") == terms.block_bytes(
+        f32, t1, np.dtype("bfloat16"), "sample"
+    )
 
 
 def test_tpu_plan_has_the_compilers_terms():
@@ -479,5 +514,6 @@ def test_sample_phase_frees_the_gather_and_fsdp_1_moves_nothing():
     v4 = planner.plan(e3_temperature_1p2.get_config("p3o,v4-8"), 4, "v4")
     assert v4.mesh["fsdp"] == 1 and "reshard" not in v4.phases
     assert v4.lines()[-1].startswith("extrapolated:")
-    assert "E5 on v4-8's RL step is 0.87x its plan" in v4.lines()[-1]
+    v6e = planner.plan(e3_temperature_1p2.get_config("p3o,v6e-8"), 8, "v6e")
+    assert "E3 on v6e-8's RL step is 1.40x its plan" in v6e.lines()[-1]
     assert not plan.lines()[-1].startswith("extrapolated:")

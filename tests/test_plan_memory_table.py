@@ -62,7 +62,7 @@ def test_refused_preset_prints_the_plan_then_the_miss(capsys):
 def test_lora_tables_are_the_planners():
     """Catches docs/memory.md's LoRA / QLoRA tables left stale by a planner change (regenerate
     them with `tools/lora_memory_table.py --write=docs/memory.md`): a change to the TPU sampler
-    terms moved six of their cells without the tables following it. 48 plans, ~11 s."""
+    terms (the embedding-table lookup) moves six of their rows. 48 plans, ~11 s."""
     import lora_memory_table  # tools/lora_memory_table.py
 
     path = os.path.join(ROOT, "docs", "memory.md")

@@ -22,8 +22,8 @@ peak live set in its `*live-range.txt`):
     bfloat16 in buffers of their own (heads whole on the device), and a float32 one-row
     segment copies every layer's keys;
   - with the vocabulary split over "tensor", the sampler's programs hold the whole embedding
-    table once (`lookup_table`), but a single prompt's prefill (none without FSDP, a 16-bit
-    copy with it: `prefill_lookup`);
+    table once (`lookup_table`), but a single prompt's prefill holds none of it without
+    FSDP and a 16-bit copy with it (`prefill_lookup`);
   - the train -> sample reshard gathers every param into a buffer of its own and copies it
     into the output: a second full copy of the sample-layout params (above VMEM's size; a
     model smaller than that gathers into VMEM, which memory_analysis does not count).
@@ -65,14 +65,15 @@ TPU_COEF = {
 }
 # The TPU generations of the compiles TPU_COEF is fitted to; on the others it is extrapolated.
 FITTED = ("v5e", "v5p")
-# On the others, the held-out RL steps compiled there (results/tpu): the compiler's bytes over
-# the planner's, which a plan on that generation prints. v4's miss is not v4's (E5 on v5p-8
-# with v4-8's mesh and micro-batches: 0.85); v6e's is (E3 on v5p with v6e-8's mesh and
-# micro-batches: 0.92).
-EXTRAPOLATED_STEPS = {"v4": ("E5 on v4-8", 0.87), "v6e": ("E3 on v6e-8", 1.40)}
+# On the others, a held-out RL step compiled there whose miss is the generation's
+# (results/tpu): the compiler's bytes over the planner's, which a plan on it prints. E3 on
+# v6e-8 is 1.40x; on v5p with v6e-8's mesh and micro-batches 0.92x. (v4's E5 step, 0.87x, is
+# not v4's: on v5p with v4-8's mesh and micro-batches it is 0.85x.)
+EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40)}
 # One layer's keys per device (rows x kv heads x head dim x cache positions x bytes) from
 # which the compiler lays a decode segment out the second way (module docstring), read off
-# Qwen3-4B's decode segments on v5p-8 (results/tpu/*rows*, *fp8*): 25.2 MB compiles the first
+# Qwen3-4B's decode segments on v5p-8 (results/tpu/e3_*, e5_* with rows, fp8, tensor4_long in
+# their names): 25.2 MB compiles the first
 # way, 33.6 MB (= 32 MiB) and more the second, in float32 at one row as in bfloat16 at 4 to 16.
 LARGE_CACHE_BYTES = 32 * 2**20
 # Memory that memory_analysis does not count (the cores' VMEM): a reshard of fewer bytes than
@@ -124,7 +125,7 @@ def hoisted_weights(cfg, mesh, precision: str, rows: float, positions: int, kv_c
     relaid = layers * d * (h + 2 * n_kv) * k * 2
     if precision in ("bfloat16", "float16"):
         return float(relaid)
-    dequantised = large_cache(keys) and mesh.shape["tensor"] == 1
+    dequantised = large_cache(keys) and h == cfg.num_heads  # the heads whole on the device
     return relaid + (layers * 2 * d * h * k * 2 if dequantised else 0.0)
 
 
@@ -194,7 +195,7 @@ def lookup_table(cfg, mesh, precision: str) -> float:
     the policy (Qwen3-4B, 0.78 GB in bfloat16), of the external model (Qwen3-8B, 1.24 GB) and
     of eval (float32, 1.56 GB) was under the compiler by about this much, 8-15%. The
     prefill of a single prompt differs (`prefill_lookup`): without FSDP it holds none of the
-    table (Qwen3-4B with tensor 4 on v4-8 and v5p-8: 0.17 to 0.19 GB of temporaries), with
+    table (Qwen3-4B with tensor 4 on v4-8 and v5p-8: 0.12 to 0.19 GB of temporaries), with
     FSDP a 16-bit copy (float32 eval on v5e-16 and with fsdp 2 x tensor 2 on v5p-8: 0.87 and
     0.85 GB of temporaries, the bfloat16 table 0.78; a bfloat16 sampler's 0.77)."""
     t = mesh.shape["tensor"]
