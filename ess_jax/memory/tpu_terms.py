@@ -65,11 +65,12 @@ TPU_COEF = {
 }
 # The TPU generations of the compiles TPU_COEF is fitted to; on the others it is extrapolated.
 FITTED = ("v5e", "v5p")
-# On the others, a held-out RL step compiled there whose miss is the generation's
-# (results/tpu): the compiler's bytes over the planner's, which a plan on it prints. E3 on
-# v6e-8 is 1.40x; on v5p with v6e-8's mesh and micro-batches 0.92x. (v4's E5 step, 0.87x, is
-# not v4's: on v5p with v4-8's mesh and micro-batches it is 0.85x.)
-EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40)}
+# On the others, a held-out RL step compiled there (results/tpu): the compiler's bytes over
+# the planner's, which a plan on it prints. E3 on v6e-8 is 1.40x, on v5p with v6e-8's mesh
+# and micro-batches 0.92x: v6e's own. E3 on tpu7x-8 is 2.03x (no v5p step at its fsdp 8 to
+# tell the generation's part from the mesh's). v4's E5 step, 0.87x, is not v4's (on v5p with
+# v4-8's mesh and micro-batches: 0.85x), so a v4 plan prints none.
+EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E3 on tpu7x-8", 2.03)}
 # One layer's keys per device (rows x kv heads x head dim x cache positions x bytes) from
 # which the compiler lays a decode segment out the second way (module docstring), read off
 # Qwen3-4B's decode segments on v5p-8 (results/tpu/e3_*, e5_* with rows, fp8, tensor4_long in
