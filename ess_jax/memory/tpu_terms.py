@@ -74,8 +74,8 @@ EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E3 on tpu7x-8", 2
 # One layer's keys per device (rows x kv heads x head dim x cache positions x bytes) from
 # which the compiler lays a decode segment out the second way (module docstring), read off
 # Qwen3-4B's decode segments on v5p-8 (results/tpu/e3_*, e5_* with rows, fp8, tensor4_long in
-# their names): 25.2 MB compiles the first
-# way, 33.6 MB (= 32 MiB) and more the second, in float32 at one row as in bfloat16 at 4 to 16.
+# their names): 25.2 MB compiles the first way, 33.6 MB (= 32 MiB) and more the second, in
+# float32 at one row as in bfloat16 at 4 to 16.
 LARGE_CACHE_BYTES = 32 * 2**20
 # Memory that memory_analysis does not count (the cores' VMEM): a reshard of fewer bytes than
 # this gathers into it (a 65 MB model: no temporaries), a larger one into HBM (Qwen3-4B).
@@ -160,16 +160,16 @@ def sampler_terms(
     k = TPU_COEF
     b = np.dtype(cfg.compute_dtype).itemsize
     s = prompt_len + bound
-    draw = k["draw"] * terms.batch_split(rows, mesh) * v * 4
+    per_device = terms.batch_split(rows, mesh)
+    draw = k["draw"] * per_device * v * 4
     prefill = (
         k["prefill_attn"] * uniq * n_kv * prompt_len * c * 4
         + k["prefill_mlp"] * uniq * prompt_len * f * b
     )
     lookup = lookup_table(cfg, mesh, precision)
-    hoisted = hoisted_weights(cfg, mesh, precision, terms.batch_split(rows, mesh), s, kv_cache)
-    decode = draw + hoisted + lookup
+    decode = draw + hoisted_weights(cfg, mesh, precision, per_device, s, kv_cache) + lookup
     if terms.kv_bytes_per_element(cfg, kv_cache) < 4:  # one layer's K and V read as float32
-        decode += 2 * terms.batch_split(rows, mesh) * n_kv * s * cfg.head_dim * 4
+        decode += 2 * per_device * n_kv * s * cfg.head_dim * 4
     return {
         "kv_cache": cache_bytes(cfg, mesh, rows, s, kv_cache),
         "prefill_cache": cache_bytes(
