@@ -1,0 +1,178 @@
+"""The TPU memory planner against the committed TPU compiles (results/tpu/*.json, written by
+tools/compile_tpu.py): every program within 10% of the compiler but the pinned RL-step misses,
+TPU_COEF the fit of tools/fit_tpu_terms.py, the decode layouts' conditions, and the TPU plan's
+phases. Plans and reads records only: nothing compiles.
+"""
+
+import dataclasses
+import glob
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import compile_tpu  # noqa: E402  (tools/compile_tpu.py)
+
+# The planner's known misses, stated in docs/tpu.md, each an RL step held out of the fit and
+# pinned to the band it is reported in (record file in results/tpu: planner error): E5's on
+# v4-8, +15%, and on v5p-8 with v4-8's mesh and micro-batches (tensor 4, no FSDP, one row per
+# device), +17% (at 4 rows: -8%); E3's on v6e-8, -29% (on v5p with v6e-8's mesh and
+# micro-batches: +9%), and on tpu7x-8, -51%.
+STEP_MISSES = {
+    "e5_fp8__p3o__v4-8.json": (0.10, 0.20),
+    "e5_fp8__p3o__v5p-8__tensor4_rows1.json": (0.10, 0.20),
+    "e3_temperature_1p2__p3o__v6e-8.json": (-0.35, -0.20),
+    "e3_temperature_1p2__p3o__tpu7x-8__rl_step.json": (-0.55, -0.45),
+}
+
+
+def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_misses(monkeypatch):
+    """Catches a TPU planner term that drifts from the compiler (a decode segment planned at
+    the whole length's cache, the reshard without its second copy, every layer's gathered
+    weights in the step: XLA:CPU's terms, +48% to +78%; a splash step planned with the einsum
+    path's LM-head coefficient, +36% on E3's 4 layers; an fp8 sampler's decode segment with a
+    large cache planned without its dequantised q and o projections, -15% on E5's; a float32
+    segment at one row per device planned with the bfloat16 copy of the weights, +36%; a
+    single prompt's prefill planned with the whole embedding table, +40% without FSDP and
+    +14% with it) on any program of the committed records but STEP_MISSES, and committed
+    planner bytes, beside bytes or verdicts other than the planner's (every record replanned:
+    a planner change left without --replan)."""
+    records = compile_tpu.read_records()
+    assert len(records) >= 5
+    files = [
+        os.path.basename(p) for p in sorted(glob.glob(os.path.join(compile_tpu.RESULTS, "*.json")))
+    ]
+    by_file = dict(zip(files, records))  # read_records reads them in this order
+    assert set(STEP_MISSES) <= set(by_file)
+    for file, rec in by_file.items():
+        for name, p in rec["programs"].items():
+            if "planner_bytes" in p:
+                err = (p["planner_bytes"] - p["compiler_bytes"]) / p["compiler_bytes"]
+                band = STEP_MISSES.get(file) if name == "rl_step" else None
+                low, high = band or (-0.10, 0.10)
+                assert low <= err <= high, (file, name, f"{err:+.1%}")
+    # a plan on v6e or tpu7x prints the compiled step against its plan: the record's ratio
+    from ess_jax.memory import tpu_terms
+
+    steps = {
+        "v6e": ("E3 on v6e-8", "e3_temperature_1p2__p3o__v6e-8.json"),
+        "tpu7x": ("E3 on tpu7x-8", "e3_temperature_1p2__p3o__tpu7x-8__rl_step.json"),
+    }
+    assert set(tpu_terms.EXTRAPOLATED_STEPS) == set(steps)
+    for device, (name, file) in steps.items():
+        step = by_file[file]["programs"]["rl_step"]
+        ratio = round(step["compiler_bytes"] / step["planner_bytes"], 2)
+        assert tpu_terms.EXTRAPOLATED_STEPS[device] == (name, ratio), device
+    monkeypatch.chdir(ROOT)
+    for rec in records:
+        assert compile_tpu.replan(rec) == rec, (rec["config"], rec["topology"])
+
+
+def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
+    """Catches TPU_COEF's train-step coefficients that are not what tools/fit_tpu_terms.py
+    fits to the committed RL-step compiles (results/tpu/, results/tpu_fit/), a fit record the
+    planner cannot rebuild, a held-out compile that leaks into the fit, and a step off by
+    more than 10%: an untied model planned with a tied table's gradient (+57% on the untied
+    Qwen3-4B widths), a mixture-of-experts step without its dispatched rows (-44% to -74%), a
+    splash step given the einsum fit's LM-head coefficient (+36% on E3's 4 layers)."""
+    import fit_tpu_terms  # tools/fit_tpu_terms.py
+
+    from ess_jax.memory import tpu_terms
+
+    rows = fit_tpu_terms.read_rows()
+    # fit: 8 dense einsum steps, the Qwen3-30B-A3B 2-layer slices at 1 and 4 rows per device
+    # and its 8-layer one, E3's and E5's splash steps on v5p-8 (4 layers and whole); held out:
+    # Qwen2.5-1.5B's widths on v5e:2x4 and Qwen3-4B's untied, E7 on v5p-64, E5 with
+    # micro-batches by tokens, E3's and E5's first 4 layers with einsum, the 4- and 6-layer MoE
+    # slices and the whole 48-layer step, E5 on v4-8 and on v5p-8 with v4-8's mesh (tensor 4,
+    # no FSDP) at v5p-8's micro-batches and at v4-8's, the splash steps of E2 on v5e-8, E5 on
+    # v5e-16 and E3 on v5p-64, E3 on v6e-8, on v5p with v6e-8's mesh and on tpu7x-8
+    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 18
+    coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
+    assert {k: round(v, 2) for k, v in coef.items()} == {
+        k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
+    }
+    for row in rows:  # in sample and held out, the step within 10% of the compiler, but
+        low, high = STEP_MISSES.get(row[0].removeprefix("tpu/"), (-0.10, 0.10))  # the misses
+        assert low <= fit_tpu_terms.error(row, tpu_terms.TPU_COEF) <= high, row[0]
+
+
+def test_decode_layouts_by_rows_cache_and_heads():
+    """Catches the TPU decode layouts (tpu_terms.hoisted_weights, docs/tpu.md's E5) applied
+    where the compiles show none: a quantized sampler's bfloat16 q and o copies below 32 MiB
+    of one layer's keys per device or with the heads split over tensor (E5 with tensor 4 would
+    be planned +3 points higher, inside the 10% band), float32 weights' bfloat16 copy at one
+    row per device (+36% on E5's eval), or the key copy at two rows."""
+    from configs.paper import e5_fp8
+    from ess_jax.memory import planner, terms, tpu_terms
+
+    cfg = planner.model_config(e5_fp8.get_config("p3o,v5p-8").model)  # Qwen3-4B
+    t1, t4 = planner.abstract_mesh({"fsdp": 4}), planner.abstract_mesh({"tensor": 4})
+    d, h, n, k, layers = 2560, 32, 8, 128, 36
+    relaid, q_and_o = layers * d * (h + 2 * n) * k * 2, layers * 2 * d * h * k * 2
+    hoisted = tpu_terms.hoisted_weights
+    # one layer's keys: 4 rows x 8 kv heads x 128 x positions x 2 bytes; 32 MiB at 4096
+    assert hoisted(cfg, t1, "fp8", 4, 4095, "compute") == relaid
+    assert hoisted(cfg, t1, "fp8", 4, 4096, "compute") == relaid + q_and_o
+    assert hoisted(cfg, t1, "bfloat16", 4, 4096, "compute") == relaid
+    # tensor 4: a quarter of the heads per device, no q / o copies at any length
+    assert hoisted(cfg, t4, "fp8", 16, 17408, "compute") == layers * d * (h + 2 * n) // 4 * k * 2
+    # float32: one row, k and v relaid out in float32 (and the keys from 32 MiB: 1 row x 8 x
+    # 128 x 8192 x 4 bytes); two rows, the bfloat16 copy of every block matrix
+    kv_f32 = layers * d * 2 * n * k * 4
+    f32 = dataclasses.replace(cfg, dtype="float32")
+    assert hoisted(f32, t1, "float32", 1, 8191, "compute") == kv_f32
+    assert hoisted(f32, t1, "float32", 1, 8192, "compute") == kv_f32 + layers * n * k * 8192 * 4
+    assert hoisted(f32, t1, "float32", 2, 8192, "compute") == terms.block_bytes(
+        f32, t1, np.dtype("bfloat16"), "sample"
+    )
+
+
+def test_tpu_plan_has_the_compilers_terms():
+    """Catches plan() on a TPU device falling back to XLA:CPU's terms (every layer's gathered
+    weights in the step, no reshard phase), TPU terms leaking into a GPU plan, and a reshard
+    that counts VMEM-sized models' gathers as HBM temporaries."""
+    from configs.paper import e3_temperature_1p2
+    from ess_jax.config.defaults import base_config
+    from ess_jax.memory import planner, tpu_terms
+
+    c = e3_temperature_1p2.get_config("p3o,v5p-8")
+    tpu, gpu = planner.plan(c, 4, "v5p"), planner.plan(c, 4, "h100")
+    assert "gathered" in gpu.phases["train step"] and "gathered" not in tpu.phases["train step"]
+    assert "reshard" in tpu.phases and "reshard" not in gpu.phases
+    sample = tpu.phases["reshard"]["sample-layout params (f32)"]
+    assert tpu.phases["reshard"]["reshard all-gather buffers"] == sample
+    small = planner.model_config(base_config().model)  # the embedded model: a few MB
+    assert tpu_terms.reshard_buffers(small, planner.abstract_mesh({"fsdp": 4})) == 0.0
+
+
+def test_sample_phase_frees_the_gather_and_fsdp_1_moves_nothing():
+    """Catches a sample phase that counts the float32 sample-layout gather beside the KV cache
+    and decode temporaries (sampler.prepare rebinds its params to the cast copy, so the gather
+    is gone before decoding: E3 on v5p-8 planned at 50.1 GB, not the record's 24.1 GB copy
+    program + the train state), a reshard phase on a mesh without FSDP (tensor 4 on v4-8: the
+    layouts are the same, nothing moves), and a plan on a TPU generation outside the fit that
+    does not say it is extrapolated."""
+    from configs.paper import e3_temperature_1p2
+    from ess_jax.memory import planner
+
+    plan = planner.plan(e3_temperature_1p2.get_config("p3o,v5p-8"), 4, "v5p")
+    sample = plan.phases["sample"]
+    gather = planner.param_bytes(
+        planner.model_config(e3_temperature_1p2.get_config("p3o,v5p-8").model),
+        planner.abstract_mesh(plan.mesh),
+        "sample",
+    )
+    copy, decoding = sample["sampler copy (bfloat16)"], sample["kv_cache"] + sample["sampler_tmp"]
+    assert sum(sample.values()) == pytest.approx(copy + max(gather, decoding))
+    assert gather > decoding  # E3: the cast is the sample phase's peak
+    assert plan.peak_phase == "reshard" and plan.peak == pytest.approx(44.25e9, rel=1e-3)
+    v4 = planner.plan(e3_temperature_1p2.get_config("p3o,v4-8"), 4, "v4")
+    assert v4.mesh["fsdp"] == 1 and "reshard" not in v4.phases
+    assert v4.lines()[-1].startswith("extrapolated:")
+    v6e = planner.plan(e3_temperature_1p2.get_config("p3o,v6e-8"), 8, "v6e")
+    assert "E3 on v6e-8's RL step is 1.40x its plan" in v6e.lines()[-1]
+    assert not plan.lines()[-1].startswith("extrapolated:")
