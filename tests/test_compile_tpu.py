@@ -50,14 +50,17 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
-def _compile(tiny, topology, out_dir):
+def _compile(tiny, topology, out_dir, *flags):
     out = out_dir / f"{topology}.json"
-    assert compile_tpu.main([f"--config={tiny}", f"--topology={topology}", f"--json={out}"]) == 0
+    args = [f"--config={tiny}", f"--topology={topology}", f"--json={out}", *flags]
+    assert compile_tpu.main(args) == 0
     return out
 
 
 @pytest.fixture(scope="module")
 def v5e_record(tiny, tmp_path_factory):
+    """The tool's default: compiled in child processes (tests/test_tpu_isolation.py); the
+    other tests compile --in-process, a child's start saved."""
     return _compile(tiny, "v5e:2x2", tmp_path_factory.mktemp("v5e"))
 
 
@@ -156,7 +159,7 @@ def test_replan_recomputes_the_planner_side_and_keeps_the_compilers(v5e_record, 
 def test_two_host_topology(tiny, tmp_path):
     """Catches a mesh laid over one host's devices only, or a host count read wrongly, when the
     topology spans two hosts (v5e:2x4: 8 chips, 2 hosts in libtpu's description)."""
-    rec = json.loads(_compile(tiny, "v5e:2x4", tmp_path).read_text())
+    rec = json.loads(_compile(tiny, "v5e:2x4", tmp_path, "--in-process").read_text())
     assert (rec["devices"], rec["hosts"]) == (8, 2)
     assert rec["mesh"] == {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}
     assert all("error" not in p for p in rec["programs"].values()) and rec["fits"]
@@ -182,7 +185,8 @@ def test_external_behaviour_model_programs(tmp_path):
         )
     )
     out = tmp_path / "ext.json"
-    args = [f"--config={cfg}", "--topology=v5e:2x2", f"--json={out}", "--only=external/decode4"]
+    args = [f"--config={cfg}", "--topology=v5e:2x2", f"--json={out}", "--only=external/decode4",
+            "--in-process"]  # fmt: skip
     assert compile_tpu.main(args) == 0
     progs = json.loads(out.read_text())["programs"]
     assert set(progs) == {"external/sampler_copy/bfloat16", "external/prefill",
@@ -237,7 +241,8 @@ def test_token_microbatches_step_compiles_with_set_overrides(tiny, tmp_path, mon
         sets = settings + ([] if mode == "rows" else
                            ["train.pack_rows=True", "train.pack_microbatches=tokens"])  # fmt: skip
         path = tmp_path / f"{mode}.json"
-        args = [f"--config={tiny}", "--topology=v5e:2x2", f"--json={path}", "--only=rl_step"]
+        args = [f"--config={tiny}", "--topology=v5e:2x2", f"--json={path}", "--only=rl_step",
+                "--in-process"]  # fmt: skip
         assert compile_tpu.main(args + [f"--set={x}" for x in sets]) == 0
         out[mode] = json.loads(path.read_text())
         assert out[mode]["set"] == sets

@@ -13,7 +13,11 @@ the sampler's prefill and each decode segment, eval's), with abstract inputs (no
 loaded: the model's shapes from KNOWN_MODELS or a config.json) on the devices of the preset's
 topology (`presets.PRESETS[...].topology`) or of --topology, on the config's mesh, and
 compiles each with the TPU compiler (ess_jax/memory/tpu.py). A program the compiler refuses
-is a row with its message. --json writes
+is a row with its message. The compiles run in a child process of this tool (--worker,
+tpu.compile_isolated), so that a crash of the compiler itself (libtpu's SIGSEGV on E3's
+sampler prefill for tpu7x-8) is a row too, with the signal and the compiler's last stderr
+lines, and a new child compiles the programs left; --in-process compiles in this process
+(a child's start saved, a crash then loses every row). --json writes
 `{"topology", "hbm_bytes", "fits", "programs": {name: {"compiler_bytes", "planner_bytes",
 "flops", "bytes_accessed", "optimal_seconds", ...}}}`: compiler_bytes are arguments + outputs +
 temporaries - aliases per device, as the planner counts; `fits` is whether every program
@@ -40,7 +44,7 @@ if ROOT not in sys.path:  # config files import configs.*
     sys.path.insert(0, ROOT)
 
 from ess_jax.config import presets  # noqa: E402
-from ess_jax.config.schema import UserError, user_exit  # noqa: E402
+from ess_jax.config.schema import EXIT_USER_ERROR, UserError, user_exit  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "tpu")
 BEGIN = "<!-- tools/compile_tpu.py --markdown: begin -->"
@@ -93,16 +97,13 @@ def overridden(config, settings):
     return config
 
 
-def compile_spec(
-    spec: str, topology: str | None, log=print, only=None, layers=None, settings=()
-) -> dict:
-    """The JSON record of --config=`spec` compiled for `topology` (default: its preset's);
-    `only`: the names of the programs to compile (default: all); `layers`: the model's first
-    that many layers only (`sliced`; default: all); `settings`: "dotted.field=value" overrides
-    of the config (`overridden`)."""
+def load(spec: str, topology: str | None, layers=None, settings=()):
+    """(config, refused_by_config, topology, devices) of --config=`spec` on `topology`
+    (default: its preset's), with `layers` (`sliced`) and `settings` (`overridden`)."""
     import plan_memory  # tools/plan_memory.py: config loading as the planner does it
 
     from ess_jax.memory import tpu
+    from ess_jax.parallel import sharding
 
     config, refused = plan_memory.load_planned(spec)
     config = overridden(config, settings)
@@ -113,15 +114,38 @@ def compile_spec(
     if topology is None:
         raise UserError(f"--config={spec}: no TPU preset after the arm; pass --topology=NAME")
     devices = tpu.topology_devices(topology)
-    n, hosts = tpu.device_count(devices)
+    n, _ = tpu.device_count(devices)
     if preset is not None and preset.topology == topology and n != preset.num_devices:
         raise UserError(
             f"topology {topology}: libtpu describes {n} devices, the preset has "
             f"{preset.num_devices}"
         )
+    sharding.make_mesh(dict(config.mesh), devices)  # its size checked before a child starts
+    return config, refused, topology, devices
+
+
+def compile_spec(
+    spec: str, topology: str | None, log=print, only=None, layers=None, settings=(),
+    in_process=False,
+) -> dict:  # fmt: skip
+    """The JSON record of --config=`spec` compiled for `topology` (default: its preset's);
+    `only`: the names of the programs to compile (default: all); `layers`: the model's first
+    that many layers only (`sliced`; default: all); `settings`: "dotted.field=value" overrides
+    of the config (`overridden`). Compiles in child processes of this tool (`--worker`;
+    tpu.compile_isolated: a compiler crash is a row), or in this one with `in_process`."""
+    from ess_jax.memory import tpu
+
+    config, refused, topology, devices = load(spec, topology, layers, settings)
+    n, hosts = tpu.device_count(devices)
     kind = devices[0].device_kind
     device = _device_key(kind)
-    rows = tpu.compile_run(config, devices, log=log, only=only)
+    if in_process:
+        rows = tpu.compile_run(config, devices, log=log, only=only)
+    else:
+        command = [sys.executable, os.path.abspath(__file__), f"--config={spec}",
+                   f"--topology={topology}", *[f"--set={x}" for x in settings or ()]]  # fmt: skip
+        command += [f"--layers={layers}"] if layers else []
+        rows = tpu.compile_isolated(command, log=log, only=list(only) if only else None)
     usable = presets.HBM[device] * presets.memory_fraction(device, environ={})
     peak = tpu.peak_bytes(rows)
     return {
@@ -305,8 +329,15 @@ def main(argv=None) -> int:
         help="recompute these records' planner-side fields with the planner (no compile)",
     )  # fmt: skip
     p.add_argument("--write", help="with --markdown: replace the table in this file")
+    p.add_argument(
+        "--in-process", action="store_true",
+        help="compile in this process (starts faster; a compiler crash then loses every row)",
+    )  # fmt: skip
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # tpu.compile_isolated's child
     args = p.parse_args(argv)
     try:
+        if args.worker:
+            return _work(args)
         if args.replan:
             for path in args.replan:
                 with open(path) as f:
@@ -324,16 +355,20 @@ def main(argv=None) -> int:
             return 0
         if not args.config:
             p.error("--config (or --markdown) is required")
-        from ess_jax.memory.tpu import TopologyError
+        from ess_jax.memory.tpu import TopologyError, WorkerError
         from ess_jax.parallel.sharding import MeshSizeError
 
         try:
             only = tuple(args.only.split(",")) if args.only else None
             record = compile_spec(
-                args.config, args.topology, only=only, layers=args.layers, settings=args.set
-            )
+                args.config, args.topology, only=only, layers=args.layers, settings=args.set,
+                in_process=args.in_process,
+            )  # fmt: skip
             if args.role != "fit":  # tools/fit_tpu_terms.py: a check of its fit, never fitted
                 record["role"] = args.role
+        except WorkerError as e:  # the child's own one-line mistake, else its exit and tail
+            mistake = e.returncode == EXIT_USER_ERROR and e.last_line.startswith("error: ")
+            raise UserError(e.last_line.removeprefix("error: ") if mistake else str(e)) from e
         except (TopologyError, ValueError) as e:  # a topology, arm or program name
             hint = ""
             if args.topology and isinstance(e, MeshSizeError):  # the preset's mesh, another size
@@ -344,6 +379,22 @@ def main(argv=None) -> int:
     print(markdown_table([record]))
     if args.json:
         _write(args.json, record)
+    return 0
+
+
+def _work(args) -> int:
+    """A child of tpu.compile_isolated: compile_run with the `only`, `skip` and `progress` of
+    the --worker state file, its rows reported in `progress` only."""
+    from ess_jax.memory import tpu
+
+    with open(args.worker) as f:
+        state = json.load(f)
+    config, _, _, devices = load(args.config, args.topology, args.layers, args.set)
+    try:
+        tpu.compile_run(config, devices, only=state["only"], skip=state["skip"],
+                        progress=state["progress"])  # fmt: skip
+    except ValueError as e:  # a program name of --only
+        raise UserError(str(e)) from e
     return 0
 
 

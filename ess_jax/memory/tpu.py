@@ -21,14 +21,20 @@ Traps the numbers carry (measured with libtpu 0.0.42.1):
 
 `compile_run(config, devices)` compiles every `programs.run_programs` program and returns one
 row per program; a program the compiler refuses is a row with its message, not a traceback.
+`compile_isolated` runs it in child processes, so that a compiler that crashes the process
+(libtpu's SIGSEGV on E3's sampler prefill for tpu7x-8) leaves a row too.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import re
+import signal
+import subprocess
+import tempfile
 import time
 
 import numpy as np
@@ -171,13 +177,18 @@ def _cost(compiled) -> dict:
     return cost or {}
 
 
-def compile_run(config, devices, log=print, only=None) -> dict[str, Row]:
+def compile_run(config, devices, log=print, only=None, skip=None, progress=None) -> dict[str, Row]:
     """name -> Row for every program of `config` on `devices` with the config's mesh (or for
     those named in `only`, with the programs their inputs need, e.g. a decode segment's
-    prefill)."""
+    prefill). `skip`: name -> message of programs not to compile, each a row with that
+    message (the compiler crashed on it in an earlier process: `compile_isolated`).
+    `progress`: a file that gets one JSON line with every program's name, then one before
+    each compile and one with each row after it (what `compile_isolated` reads when the
+    process dies)."""
     mesh = sharding_lib.make_mesh(dict(config.mesh), devices)
     compiled: dict = {}
     rows: dict[str, Row] = {}
+    skip = skip or {}
     progs = programs_lib.run_programs(config, mesh)
     if only is not None:
         unknown = set(only) - {p.name for p in progs}
@@ -190,16 +201,23 @@ def compile_run(config, devices, log=print, only=None) -> dict[str, Row]:
                    and any(n.startswith(("external/prefill", "external/decode"))
                            for n in needed)}  # fmt: skip
         progs = [p for p in progs if p.name in needed]
+    _report(progress, {"programs": [p.name for p in progs]})
     for program in progs:
         t0 = time.perf_counter()
+        if program.name in skip:
+            rows[program.name] = _error_row(program, 0.0, skip[program.name])
+            _report(progress, {"row": program.name, **rows[program.name].to_json()})
+            log(f"{program.name}: not compiled: {skip[program.name][:200]}")
+            continue
+        _report(progress, {"start": program.name})
         try:
             c = program.lower(compiled).compile()
         except Exception as e:  # the compiler's refusal is a result, not a crash
             msg = " ".join(str(e).split())[:2000] or type(e).__name__
-            rows[program.name] = Row(
-                None, program.planner_bytes, program.beside_bytes, None, None, None,
-                program.loop_trips, time.perf_counter() - t0, msg,
-            )  # fmt: skip
+            if isinstance(e, KeyError) and e.args and e.args[0] in rows:  # an input's layout
+                msg = f"not compiled: it takes {e.args[0]}'s output, which did not compile"
+            rows[program.name] = _error_row(program, time.perf_counter() - t0, msg)
+            _report(progress, {"row": program.name, **rows[program.name].to_json()})
             log(f"{program.name}: compile error: {msg[:200]}")
             continue
         compiled[program.name] = c
@@ -211,9 +229,94 @@ def compile_run(config, devices, log=print, only=None) -> dict[str, Row]:
             time.perf_counter() - t0, memory=parts, collectives=collective_bytes(hlo),
             loop_collectives=collective_bytes(hlo, in_loops=True),
         )  # fmt: skip
+        _report(progress, {"row": program.name, **rows[program.name].to_json()})
         log(f"{program.name}: {total / 1e9:.3f} GB per device, compiled in "
             f"{rows[program.name].compile_seconds:.1f} s")  # fmt: skip
     return rows
+
+
+def _error_row(program, seconds: float, message: str) -> Row:
+    return Row(
+        None, program.planner_bytes, program.beside_bytes, None, None, None,
+        program.loop_trips, seconds, message,
+    )  # fmt: skip
+
+
+def _report(path: str | None, event: dict) -> None:
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+
+class WorkerError(RuntimeError):
+    """A compiling process failed outside any program's compile: its exit status and the
+    last line of its stderr (a tool's one-line `error: ...` on a mistake)."""
+
+    def __init__(self, returncode: int, last_line: str, tail: str):
+        super().__init__(f"the compiling process exited with {_exit(returncode)}: {tail}")
+        self.returncode, self.last_line = returncode, last_line
+
+
+def compile_isolated(command: list[str], log=print, only=None) -> dict[str, Row]:
+    """The rows of `compile_run`, compiled in child processes so that a crash of the compiler
+    itself (libtpu 0.0.42.1 overflows its stack compiling E3's sampler prefill for tpu7x-8 and
+    the process dies of SIGSEGV) is a row, not the loss of every row. `command` runs
+    `compile_run` with `--worker=STATE` appended, STATE a JSON file of its `only`, `skip` and
+    `progress` arguments (tools/compile_tpu.py). When a child dies inside a compile, the
+    program it was compiling becomes a row with the signal and the child's last stderr lines,
+    and a new child compiles the programs left (with those their inputs need), that one
+    skipped."""
+    rows: dict[str, Row] = {}
+    skip: dict[str, str] = {}
+    names = None
+    with tempfile.TemporaryDirectory() as tmp:
+        state, progress = os.path.join(tmp, "state.json"), os.path.join(tmp, "progress.jsonl")
+        err_path = os.path.join(tmp, "stderr")
+        while True:
+            with open(state, "w") as f:
+                json.dump({"only": only, "skip": skip, "progress": progress}, f)
+            open(progress, "w").close()
+            with open(err_path, "w") as err:
+                rc = subprocess.run([*command, f"--worker={state}"], stderr=err).returncode
+            started = None
+            with open(progress) as f:
+                for line in f:
+                    event = json.loads(line)
+                    if "programs" in event and names is None:
+                        names = event["programs"]
+                    started = event.get("start", started)
+                    if "row" in event:
+                        name = event.pop("row")
+                        rows[name] = Row(**{k.name: event.get(k.name) for k in
+                                            dataclasses.fields(Row)})  # fmt: skip
+                        started = None if name == started else started
+            if rc == 0:
+                return {n: rows[n] for n in names if n in rows}
+            tail = _tail(err_path)
+            if started is None:  # died outside a compile: not the compiler's crash
+                raise WorkerError(rc, _tail(err_path, lines=1), tail)
+            skip[started] = (
+                f"the compiler crashed: the compiling process died of {_exit(rc)} compiling "
+                f"this program; its last stderr lines: {tail}"
+            )
+            log(f"{started}: {skip[started][:200]}")
+            only = [n for n in names if n not in rows or n in skip]
+
+
+def _exit(rc: int) -> str:
+    """A child's return code in words: a signal's name or the exit status."""
+    if rc < 0:
+        try:
+            return signal.Signals(-rc).name
+        except ValueError:
+            return f"signal {-rc}"
+    return f"status {rc}"
+
+
+def _tail(path: str, lines: int = 6, chars: int = 1500) -> str:
+    with open(path, errors="replace") as f:
+        text = [line.strip() for line in f if line.strip()]
+    return " | ".join(text[-lines:])[-chars:] or "(none)"
 
 
 def peak_bytes(rows: dict[str, Row]) -> float:

@@ -1,0 +1,102 @@
+"""ess_jax/memory/tpu.py's compile_isolated: the compiler's own crash (a signal that kills the
+compiling process, as libtpu's stack overflow on E3's sampler prefill for tpu7x-8 does) is a
+row of the record, the other programs' rows kept.
+
+A stand-in worker (a few lines of Python that speak compile_run's progress protocol) dies of
+SIGSEGV on one program; the real worker, tools/compile_tpu.py --worker, is what
+test_compile_tpu.py's v5e record compiles through.
+"""
+
+import sys
+
+import pytest
+
+from ess_jax.memory import tpu
+
+WORKER = r"""
+import json, os, signal, sys
+
+state = json.load(open(sys.argv[-1].split("=", 1)[1]))
+names = ["rl_step", "sample/prefill", "sample/decode8", "eval/prefill"]
+todo = state["only"] or names
+with open(os.environ["RUNS"], "a") as f:
+    f.write(json.dumps(state["only"]) + "\n")
+
+def report(event):
+    with open(state["progress"], "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+report({"programs": [n for n in names if n in todo]})
+for i, name in enumerate(n for n in names if n in todo):
+    if name in state["skip"]:
+        report({"row": name, "compiler_bytes": None, "planner_bytes": 1.0, "beside_bytes": 0.0,
+                "loop_trips": 1, "compile_seconds": 0.0, "error": state["skip"][name]})
+        continue
+    report({"start": name})
+    if name == os.environ["CRASH_ON"]:
+        print("Fatal: stack overflow in CalculateClassicWindowCost", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    report({"row": name, "compiler_bytes": 10.0 + i, "planner_bytes": 11.0, "beside_bytes": 0.0,
+            "loop_trips": 1, "compile_seconds": 0.5, "memory": {"argument": 10.0 + i}})
+"""
+
+
+@pytest.fixture
+def worker(tmp_path, monkeypatch):
+    path = tmp_path / "worker.py"
+    path.write_text(WORKER)
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs.jsonl"))
+    return [sys.executable, str(path)], tmp_path / "runs.jsonl"
+
+
+def test_a_compiler_crash_is_a_row_and_the_rest_compile(worker, monkeypatch):
+    """Catches a crash of the compiler that loses every row (the record never written), a
+    crashed program that is not named with its signal and the compiler's last words, a
+    restart that compiles the crashed program again (a loop of crashes) or recompiles what
+    already compiled, and rows out of the run's order."""
+    command, runs = worker
+    monkeypatch.setenv("CRASH_ON", "sample/prefill")
+    logged = []
+    rows = tpu.compile_isolated(command, log=logged.append)
+    assert list(rows) == ["rl_step", "sample/prefill", "sample/decode8", "eval/prefill"]
+    crash = rows["sample/prefill"]
+    assert crash.compiler_bytes is None and "SIGSEGV" in crash.error
+    assert "CalculateClassicWindowCost" in crash.error
+    assert [rows[n].compiler_bytes for n in ("rl_step", "sample/decode8", "eval/prefill")] == [
+        10.0, 11.0, 12.0,
+    ]  # fmt: skip
+    assert rows["rl_step"].memory == {"argument": 10.0}
+    # the second child compiles what is left, the crashed one a row it is handed
+    assert runs.read_text().splitlines() == [
+        "null",
+        '["sample/prefill", "sample/decode8", "eval/prefill"]',
+    ]
+    assert len(logged) == 1 and logged[0].startswith("sample/prefill: the compiler crashed")
+    assert tpu.peak_bytes(rows) == 12.0
+
+
+def test_a_crash_outside_a_compile_is_an_error_not_a_row():
+    """Catches a child that dies before compiling anything (a broken install, a bad config)
+    read as a compiler crash of some program, or retried forever."""
+    command = [sys.executable, "-c", "import sys; print('no libtpu here', file=sys.stderr); "
+               "sys.exit(3)"]  # fmt: skip
+    with pytest.raises(tpu.WorkerError, match="status 3: no libtpu here") as e:
+        tpu.compile_isolated(command, log=lambda _: None)
+    assert e.value.returncode == 3 and e.value.last_line == "no libtpu here"
+
+
+def test_a_program_whose_input_did_not_compile_says_so():
+    """Catches a decode segment whose prefill crashed (skipped) failing with a bare KeyError
+    ('sample/prefill') in place of a row that names the program it needed."""
+    from ess_jax.config.defaults import base_config
+
+    c = base_config()
+    c.model.num_layers, c.data.buckets, c.rollout.max_new_tokens = 1, (16,), 4
+    c.data.prompts_per_step, c.rollout.group_size = 4, 2
+    skip = {"sample/prefill": "the compiler crashed"}
+    rows = tpu.compile_run(c, tpu.topology_devices("v5e:2x2"), log=lambda _: None,
+                           only=["sample/decode4"], skip=skip)  # fmt: skip
+    assert rows["sample/prefill"].error == "the compiler crashed"
+    assert rows["sample/decode4"].error == (
+        "not compiled: it takes sample/prefill's output, which did not compile"
+    )
