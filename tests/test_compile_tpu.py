@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import compile_tpu  # noqa: E402  (tools/compile_tpu.py)
 import plan_memory  # noqa: E402  (tools/plan_memory.py)
+import tpu_table  # noqa: E402  (tools/tpu_table.py)
 
 TINY = """
 from ess_jax.config.defaults import base_config
@@ -341,8 +342,8 @@ def test_docs_table_is_the_committed_records():
     """Catches docs/tpu.md edited by hand or stale against results/tpu/*.json (regenerate:
     tools/compile_tpu.py --markdown --write=docs/tpu.md)."""
     doc = os.path.join(ROOT, "docs", "tpu.md")
-    table = compile_tpu.markdown_table(compile_tpu.read_records())
-    assert plan_memory.table_in(doc, compile_tpu.BEGIN, compile_tpu.END) == table
+    table = tpu_table.markdown_table(tpu_table.read_records())
+    assert plan_memory.table_in(doc, tpu_table.BEGIN, tpu_table.END) == table
 
 
 def test_a_layer_slice_is_planned_and_labelled_as_compiled(tmp_path):
@@ -359,4 +360,4 @@ def test_a_layer_slice_is_planned_and_labelled_as_compiled(tmp_path):
     planned = json.loads(path.read_text())["programs"]["rl_step"]["planner_bytes"]
     assert planned == pytest.approx(rec["programs"]["rl_step"]["planner_bytes"], rel=1e-9)
     assert planned < 40e9  # the whole model plans several times more
-    assert "(first 4 layers)" in compile_tpu.markdown_table([rec])
+    assert "(first 4 layers)" in tpu_table.markdown_table([rec])

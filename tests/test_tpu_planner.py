@@ -15,6 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import compile_tpu  # noqa: E402  (tools/compile_tpu.py)
+import tpu_table  # noqa: E402  (tools/tpu_table.py)
 
 # The planner's known misses, stated in docs/tpu.md, each an RL step held out of the fit and
 # pinned to the band it is reported in (record file in results/tpu: planner error): E5's on
@@ -40,10 +41,10 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
     +14% with it) on any program of the committed records but STEP_MISSES, and committed
     planner bytes, beside bytes or verdicts other than the planner's (every record replanned:
     a planner change left without --replan)."""
-    records = compile_tpu.read_records()
+    records = tpu_table.read_records()
     assert len(records) >= 5
     files = [
-        os.path.basename(p) for p in sorted(glob.glob(os.path.join(compile_tpu.RESULTS, "*.json")))
+        os.path.basename(p) for p in sorted(glob.glob(os.path.join(tpu_table.RESULTS, "*.json")))
     ]
     by_file = dict(zip(files, records))  # read_records reads them in this order
     assert set(STEP_MISSES) <= set(by_file)

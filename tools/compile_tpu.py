@@ -32,7 +32,6 @@ host (Qwen3-30B-A3B's 48-layer RL step takes about 41 GB of host memory while co
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -43,12 +42,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # config files import configs.*
     sys.path.insert(0, ROOT)
 
+from tpu_table import BEGIN, END, markdown_table, read_records  # noqa: E402  (tools/)
+
 from ess_jax.config import presets  # noqa: E402
 from ess_jax.config.schema import EXIT_USER_ERROR, UserError, user_exit  # noqa: E402
-
-RESULTS = os.path.join(ROOT, "results", "tpu")
-BEGIN = "<!-- tools/compile_tpu.py --markdown: begin -->"
-END = "<!-- tools/compile_tpu.py --markdown: end -->"
 
 
 def preset_of(spec: str) -> presets.Preset | None:
@@ -223,86 +220,6 @@ def _device_key(kind: str) -> str:
     if kind not in presets.TPU_KINDS:
         raise UserError(f"device kind {kind!r} has no HBM entry (ess_jax/config/presets.py)")
     return presets.TPU_KINDS[kind]
-
-
-def _gb(x) -> str:
-    return "-" if x is None else f"{x / 1e9:.3g}"
-
-
-def _collective(p: dict) -> float | None:
-    """Collective bytes of one call of a program row: those outside loops once, those inside
-    loop bodies (`loop_collectives`) once per loop trip; None for a record made without them
-    (a record without the loop split counts everything once)."""
-    if "collectives" not in p:
-        return None
-    total = float(sum(p["collectives"].values()))
-    looped = float(sum(p.get("loop_collectives", {}).values()))
-    return total + looped * (p["loop_trips"] - 1)
-
-
-def _estimates(p: dict, per_device: dict) -> tuple[str, str, str]:
-    """(MFU, HBM floor, ICI time) of one program row, from the compiler's one-loop-body
-    figures: MFU = flops / optimal_seconds / peak flop/s (the trip count cancels); the HBM
-    floor reads the program's arguments once at the device's bandwidth (a decode step: the
-    weights and the KV cache); ICI time = one call's collective bytes (`_collective`) / the
-    bidirectional ICI bandwidth."""
-    t, flops = p.get("optimal_seconds"), p.get("flops")
-    mfu = f"{flops / t / per_device['bf16_flops']:.0%}" if flops and t and t > 0 else "-"
-    floor = f"{p['memory']['argument'] / per_device['hbm_bandwidth']:.3g}"
-    coll, ici = _collective(p), per_device.get("ici_bandwidth")
-    ici_s = "-" if coll is None or not ici else f"{coll / ici:.3g}"
-    return mfu, floor, ici_s
-
-
-def _config_cell(rec: dict) -> str:
-    """The record's --config, its --set overrides, and the layers compiled when not all."""
-    layers, settings = rec.get("layers"), rec.get("set")
-    cell = f"`{rec['config']}`" + "".join(f" `{s}`" for s in settings or ())
-    return cell + (f" (first {layers} layers)" if layers else "")
-
-
-def markdown_table(records: list[dict]) -> str:
-    """One row per compiled program of each record: compiler vs planner bytes, the compiler's
-    cost (one loop body) and the estimates drawn from it. Every time is the compiler's
-    estimate or a bandwidth floor, never a measurement."""
-    lines = [
-        "| config | topology | program | compiler GB | planner GB | planner error | "
-        "GFLOP | loop trips | compiler's time (s) | est. MFU | HBM floor (s) | "
-        "collectives GB per call | ICI time per call (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for rec in records:
-        for name, p in rec["programs"].items():
-            head = f"| {_config_cell(rec)} | {rec['topology']} | {name} |"
-            if "error" in p:
-                lines.append(f"{head} refused: {p['error'][:120]} |" + " |" * 9)
-                continue
-            comp, plan = p.get("compiler_bytes"), p.get("planner_bytes")
-            err = f"{(plan - comp) / comp:+.0%}" if comp and plan is not None else "-"
-            flops, t = p.get("flops"), p.get("optimal_seconds")
-            mfu, floor, ici_s = _estimates(p, rec["per_device"])
-            coll = _collective(p)
-            lines.append(
-                f"{head} {_gb(comp)} | {_gb(plan)} | {err} | "
-                f"{'-' if flops is None else f'{flops / 1e9:.3g}'} | {p['loop_trips']} | "
-                f"{'-' if t is None else f'{t:.3g}'} | {mfu} | {floor} | {_gb(coll)} | {ici_s} |"
-            )
-        verdict = {True: "fits", False: "does not fit"}.get(
-            rec["fits"], "compiled programs only (--only)"
-        )
-        lines.append(
-            f"| {_config_cell(rec)} | {rec['topology']} | **peak** | {_gb(rec['peak_bytes'])} of "
-            f"{_gb(rec['usable_bytes'])} usable: {verdict} |" + " |" * 9
-        )
-    return "\n".join(lines)
-
-
-def read_records(folder: str = RESULTS) -> list[dict]:
-    records = []
-    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
-        with open(path) as f:
-            records.append(json.load(f))
-    return records
 
 
 def main(argv=None) -> int:
