@@ -1,5 +1,5 @@
 """The TPU memory planner against the committed TPU compiles (results/tpu/*.json, written by
-tools/compile_tpu.py): every program within 10% of the compiler but the pinned RL-step misses,
+tools/compile_tpu.py): every program within 10% of the compiler but the pinned misses,
 TPU_COEF the fit of tools/fit_tpu_terms.py, the decode layouts' conditions, and the TPU plan's
 phases. Plans and reads records only: nothing compiles.
 """
@@ -17,17 +17,21 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import compile_tpu  # noqa: E402  (tools/compile_tpu.py)
 import tpu_table  # noqa: E402  (tools/tpu_table.py)
 
-# The planner's known misses, stated in docs/tpu.md, each an RL step held out of the fit and
-# pinned to the band it is reported in (record file in results/tpu: planner error): E5's on
-# v4-8, +15%, and on v5p-8 with v4-8's mesh and micro-batches (tensor 4, no FSDP, one row per
-# device), +17% (at 4 rows: -8%); E3's on v6e-8, -29% (on v5p with v6e-8's mesh and
-# micro-batches: +9%), and on tpu7x-8, -51%.
-STEP_MISSES = {
-    "e5_fp8__p3o__v4-8.json": (0.10, 0.20),
-    "e5_fp8__p3o__v5p-8__tensor4_rows1.json": (0.10, 0.20),
-    "e3_temperature_1p2__p3o__v6e-8.json": (-0.35, -0.20),
-    "e3_temperature_1p2__p3o__tpu7x-8__rl_step.json": (-0.55, -0.45),
-}
+# The planner's known misses, stated in docs/tpu.md, each held out of the fit and pinned to
+# the band it is reported in (record file in results/tpu -> program -> planner error). RL
+# steps: E5's on v4-8, +15%, and on v5p-8 with v4-8's mesh and micro-batches (tensor 4, no
+# FSDP, one row per device), +17% (at 4 rows: -8%); E3's on v6e-8, -29% (on v5p with v6e-8's
+# mesh and micro-batches: +9%), and on tpu7x-8, -51%. The `tiny` preset (SmolLM2-135M, its
+# step without remat: XLA:CPU's terms) on v5e:2x2: its step +25%, its prefill -15%.
+MISSES = {
+    "e5_fp8__p3o__v4-8.json": {"rl_step": (0.10, 0.20)},
+    "e5_fp8__p3o__v5p-8__tensor4_rows1.json": {"rl_step": (0.10, 0.20)},
+    "e3_temperature_1p2__p3o__v6e-8.json": {"rl_step": (-0.35, -0.20)},
+    "e3_temperature_1p2__p3o__tpu7x-8__rl_step.json": {"rl_step": (-0.55, -0.45)},
+    "e3_temperature_1p2__p3o__tiny__v5e-2x2.json": {
+        "rl_step": (0.20, 0.30), "sample/prefill": (-0.20, -0.10),
+    },
+}  # fmt: skip
 
 
 def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_misses(monkeypatch):
@@ -38,7 +42,7 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
     large cache planned without its dequantised q and o projections, -15% on E5's; a float32
     segment at one row per device planned with the bfloat16 copy of the weights, +36%; a
     single prompt's prefill planned with the whole embedding table, +40% without FSDP and
-    +14% with it) on any program of the committed records but STEP_MISSES, and committed
+    +14% with it) on any program of the committed records but MISSES, and committed
     planner bytes, beside bytes or verdicts other than the planner's (every record replanned:
     a planner change left without --replan)."""
     records = tpu_table.read_records()
@@ -47,13 +51,12 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
         os.path.basename(p) for p in sorted(glob.glob(os.path.join(tpu_table.RESULTS, "*.json")))
     ]
     by_file = dict(zip(files, records))  # read_records reads them in this order
-    assert set(STEP_MISSES) <= set(by_file)
+    assert set(MISSES) <= set(by_file)
     for file, rec in by_file.items():
         for name, p in rec["programs"].items():
             if "planner_bytes" in p:
                 err = (p["planner_bytes"] - p["compiler_bytes"]) / p["compiler_bytes"]
-                band = STEP_MISSES.get(file) if name == "rl_step" else None
-                low, high = band or (-0.10, 0.10)
+                low, high = MISSES.get(file, {}).get(name, (-0.10, 0.10))
                 assert low <= err <= high, (file, name, f"{err:+.1%}")
     # a plan on v6e or tpu7x prints the compiled step against its plan: the record's ratio
     from ess_jax.memory import tpu_terms
@@ -97,7 +100,7 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
     }
     for row in rows:  # in sample and held out, the step within 10% of the compiler, but
-        low, high = STEP_MISSES.get(row[0].removeprefix("tpu/"), (-0.10, 0.10))  # the misses
+        low, high = MISSES.get(row[0].removeprefix("tpu/"), {}).get("rl_step", (-0.10, 0.10))
         assert low <= fit_tpu_terms.error(row, tpu_terms.TPU_COEF) <= high, row[0]
 
 

@@ -308,8 +308,10 @@ def _work(args) -> int:
         state = json.load(f)
     config, _, _, devices = load(args.config, args.topology, args.layers, args.set)
     try:
-        tpu.compile_run(config, devices, only=state["only"], skip=state["skip"],
-                        progress=state["progress"])  # fmt: skip
+        tpu.compile_run(
+            config, devices, log=lambda line: print(line, flush=True), only=state["only"],
+            skip=state["skip"], progress=state["progress"],
+        )  # fmt: skip
     except ValueError as e:  # a program name of --only
         raise UserError(str(e)) from e
     return 0

@@ -83,8 +83,10 @@ def record_config(record: dict, folder: str):
     return c
 
 
-def step_row(record: dict) -> tuple[dict, float, float]:
-    """(bases, target, arguments) of `record`'s RL step, per device (module docstring), the
+def step_row(record: dict) -> tuple[dict, float, float] | None:
+    """(bases, target, arguments) of `record`'s RL step, per device (module docstring), or
+    None for a step that tpu_terms.train_terms leaves to XLA:CPU's terms (without
+    `model.remat`, or with LoRA: the `tiny` preset's SmolLM2 step), the
     bases with the phase model's `attention` and `feed_forward` (`--phases`); a term the
     planner leaves out of this step (an untied model's embedding, a dense model's experts)
     has basis 0. The planner's train-step terms that are not fitted here count with the
@@ -98,6 +100,8 @@ def step_row(record: dict) -> tuple[dict, float, float]:
         if record.get("layers"):  # compiled with --layers: the planner plans the same slice
             config = compile_tpu.sliced(config, record["layers"])
         cfg = planner.model_config(config.model)
+        if not cfg.remat or cfg.lora_rank:
+            return None
         with mock.patch.dict(tpu_terms.TPU_COEF, dict.fromkeys(TERMS, 1.0)):
             plan = planner.plan(config, record["devices"], device)
         mesh = planner.abstract_mesh(sharding.mesh_shape(dict(config.mesh), record["devices"]))
@@ -133,7 +137,10 @@ def read_rows(root: str = ROOT) -> list[tuple[str, str, dict, float, float, floa
                 record = json.load(f)
             if "rl_step" not in record["programs"]:
                 continue
-            bases, target, args = step_row(record)
+            row = step_row(record)
+            if row is None:  # a step without remat: XLA:CPU's terms plan it, not TPU_COEF
+                continue
+            bases, target, args = row
             name = os.path.relpath(path, os.path.join(root, "results"))
             comp = record["programs"]["rl_step"]["compiler_bytes"]
             rows.append((name, record.get("role", "fit"), bases, target, args, comp))
