@@ -34,7 +34,11 @@ for i, name in enumerate(n for n in names if n in todo):
         continue
     report({"start": name})
     if name == os.environ["CRASH_ON"]:
-        print("Fatal: stack overflow in CalculateClassicWindowCost", file=sys.stderr, flush=True)
+        print("*** SIGSEGV STACK OVERFLOW received by PID 7 (TID 9); stack trace: ***\n"
+              "PC: @ 0x7fc649593c5b (unknown) xla::TransferSizeUtil::UpdateLeafLayout()\n"
+              "    @ 0x7fc64d00cfd3 1888 FailureSignalHandler()\n"
+              "  @ 0x7fc63fe1aebd 1472 xla::SpatialMajorConvolution::CalculateClassicWindowCost()\n"
+              "E1207 coredump_hook.cc:349] RAW: Skipping coredump", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSEGV)
     report({"row": name, "compiler_bytes": 10.0 + i, "planner_bytes": 11.0, "beside_bytes": 0.0,
             "loop_trips": 1, "compile_seconds": 0.5, "memory": {"argument": 10.0 + i}})
@@ -51,7 +55,8 @@ def worker(tmp_path, monkeypatch):
 
 def test_a_compiler_crash_is_a_row_and_the_rest_compile(worker, monkeypatch):
     """Catches a crash of the compiler that loses every row (the record never written), a
-    crashed program that is not named with its signal and the compiler's last words, a
+    crashed program that is not named with its signal and where the compiler crashed (the
+    failure handler's report, not the coredump lines libtpu prints after it), a
     restart that compiles the crashed program again (a loop of crashes) or recompiles what
     already compiled, and rows out of the run's order."""
     command, runs = worker
@@ -60,8 +65,13 @@ def test_a_compiler_crash_is_a_row_and_the_rest_compile(worker, monkeypatch):
     rows = tpu.compile_isolated(command, log=logged.append)
     assert list(rows) == ["rl_step", "sample/prefill", "sample/decode8", "eval/prefill"]
     crash = rows["sample/prefill"]
-    assert crash.compiler_bytes is None and "SIGSEGV" in crash.error
-    assert "CalculateClassicWindowCost" in crash.error
+    assert crash.compiler_bytes is None and "died of SIGSEGV" in crash.error
+    # the report's line and its named frames, innermost first, not the last stderr lines
+    assert crash.error.endswith(
+        "*** SIGSEGV STACK OVERFLOW received by PID 7 (TID 9); stack trace: *** at "
+        "xla::TransferSizeUtil::UpdateLeafLayout() < "
+        "xla::SpatialMajorConvolution::CalculateClassicWindowCost()"
+    )
     assert [rows[n].compiler_bytes for n in ("rl_step", "sample/decode8", "eval/prefill")] == [
         10.0, 11.0, 12.0,
     ]  # fmt: skip

@@ -161,6 +161,8 @@ def compile_spec(
         "only": list(only) if only else None,
         "layers": layers,  # None: the whole model
         "set": list(settings) or None,  # --set overrides of the config
+        # the compiler's own flags, where set (the record compiles the same only with them)
+        **({"libtpu_init_args": flags} if (flags := os.environ.get("LIBTPU_INIT_ARGS")) else {}),
         "fits": None if only else all(r.error is None for r in rows.values()) and peak <= usable,
         "programs": {name: row.to_json() for name, row in rows.items()},
     }

@@ -48,10 +48,12 @@ def _estimates(p: dict, per_device: dict) -> tuple[str, str, str]:
 
 
 def _config_cell(rec: dict) -> str:
-    """The record's --config, its --set overrides, and the layers compiled when not all."""
-    layers, settings = rec.get("layers"), rec.get("set")
+    """The record's --config, its --set overrides, the layers compiled when not all, and the
+    compiler flags (LIBTPU_INIT_ARGS) where set."""
+    layers, settings, flags = rec.get("layers"), rec.get("set"), rec.get("libtpu_init_args")
     cell = f"`{rec['config']}`" + "".join(f" `{s}`" for s in settings or ())
-    return cell + (f" (first {layers} layers)" if layers else "")
+    cell += f" (first {layers} layers)" if layers else ""
+    return cell + (f" `LIBTPU_INIT_ARGS={flags}`" if flags else "")
 
 
 def markdown_table(records: list[dict]) -> str:

@@ -138,6 +138,16 @@ class Plan:
                 name, ratio = tpu_terms.EXTRAPOLATED_STEPS[self.device]
                 line += f"; compiled, {name}'s RL step is {ratio:.2f}x its plan"
             out.append(line + " (docs/tpu.md)")
+        if tpu_terms.is_tpu(self.device) and self.mesh.get("fsdp", 1) >= tpu_terms.FSDP_LARGE:
+            ratios = ", ".join(f"{name}: {r:.2f}x" for name, r in tpu_terms.FSDP_8_STEPS)
+            name, ratio = tpu_terms.FSDP_8_WITHOUT_SCHEDULER
+            out.append(
+                f"fsdp {self.mesh['fsdp']}: RL steps compiled at fsdp {tpu_terms.FSDP_LARGE} are "
+                f"over their plans ({ratios}): the latency-hiding scheduler keeps every "
+                "layer's recomputed activations; with LIBTPU_INIT_ARGS="
+                f"--xla_tpu_enable_latency_hiding_scheduler=false, {name}: {ratio:.2f}x "
+                "(docs/tpu.md)"
+            )
         return out
 
 

@@ -297,7 +297,7 @@ def compile_isolated(command: list[str], log=print, only=None) -> dict[str, Row]
                 raise WorkerError(rc, _tail(err_path, lines=1), tail)
             skip[started] = (
                 f"the compiler crashed: the compiling process died of {_exit(rc)} compiling "
-                f"this program; its last stderr lines: {tail}"
+                f"this program: {crash_report(err_path) or 'its last stderr lines: ' + tail}"
             )
             log(f"{started}: {skip[started][:200]}")
             only = [n for n in names if n not in rows or n in skip]
@@ -311,6 +311,27 @@ def _exit(rc: int) -> str:
         except ValueError:
             return f"signal {-rc}"
     return f"status {rc}"
+
+
+_FATAL = re.compile(r"^\*\*\* SIG|Check fail")  # a crash report's first line
+_FRAME = re.compile(r"^(?:PC:\s*)?@\s+0x[0-9a-f]+\s+\S+\s+(?P<symbol>\S.*)$")
+
+
+def crash_report(path: str, frames: int = 14) -> str | None:
+    """The crash in a dead process's stderr (`path`), in one line: the failure signal
+    handler's report line ("*** SIGSEGV STACK OVERFLOW ... received by PID ...") and the
+    innermost `frames` named frames of its stack trace; None where stderr holds no report."""
+    with open(path, errors="replace") as f:
+        text = [line.strip() for line in f if line.strip()]
+    starts = [i for i, line in enumerate(text) if _FATAL.search(line)]
+    if not starts:
+        return None
+    symbols = []
+    for line in text[starts[-1] + 1 :]:
+        m = _FRAME.match(line)
+        if m and "(unknown)" not in m["symbol"] and "SignalHandler" not in m["symbol"]:
+            symbols.append(m["symbol"])
+    return f"{text[starts[-1]]} at {' < '.join(symbols[:frames])}"
 
 
 def _tail(path: str, lines: int = 6, chars: int = 1500) -> str:

@@ -67,10 +67,21 @@ TPU_COEF = {
 FITTED = ("v5e", "v5p")
 # On the others, a held-out RL step compiled there (results/tpu): the compiler's bytes over
 # the planner's, which a plan on it prints. E3 on v6e-8 is 1.40x, on v5p with v6e-8's mesh
-# and micro-batches 0.92x: v6e's own. E3 on tpu7x-8 is 2.03x (no v5p step at its fsdp 8 to
-# tell the generation's part from the mesh's). v4's E5 step, 0.87x, is not v4's (on v5p with
-# v4-8's mesh and micro-batches: 0.85x), so a v4 plan prints none.
-EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E3 on tpu7x-8", 2.03)}
+# and micro-batches 0.92x: v6e's own. v4's E5 step, 0.87x, is not v4's (on v5p with v4-8's
+# mesh and micro-batches: 0.85x), nor is tpu7x's E3 step, 2.03x, tpu7x's (it is fsdp 8's:
+# FSDP_8_STEPS), so v4 and tpu7x plans print none.
+EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40)}
+# From this FSDP size the compiler's latency-hiding scheduler, overlapping each layer's weight
+# all-gathers, keeps every layer's recomputed activations alive through the backward: remat
+# undone. E3's RL step (4 rows per device) with tpu7x-8's mesh (fsdp 8) on v5p:2x2x2 grows by
+# 2.5 GB a layer (first 4 layers 17.7 GB, 8 layers 27.6, all 36 96.7); the same 8 layers are
+# 13.8 GB with the scheduler off (LIBTPU_INIT_ARGS=--xla_tpu_enable_latency_hiding_scheduler=
+# false) and 15.5 GB on the same 8 chips at fsdp 4 x data 2. The compiled steps over their
+# plans, which a plan at this FSDP size prints (results/tpu):
+FSDP_LARGE = 8
+FSDP_8_STEPS = (("E3 on tpu7x-8", 2.03), ("E3 on v5p with tpu7x-8's mesh", 3.32))
+FSDP_8_WITHOUT_SCHEDULER = ("E3's first 8 layers on v5p with tpu7x-8's mesh", 0.87)
+
 # One layer's keys per device (rows x kv heads x head dim x cache positions x bytes) from
 # which the compiler lays a decode segment out the second way (module docstring), read off
 # Qwen3-4B's decode segments on v5p-8 (results/tpu/e3_*, e5_* with rows, fp8, tensor4_long in
