@@ -31,7 +31,7 @@ MISSES = {
     "e5_fp8__p3o__v4-8.json": {"rl_step": (0.10, 0.20)},
     "e5_fp8__p3o__v5p-8__tensor4_rows1.json": {"rl_step": (0.10, 0.20)},
     "e3_temperature_1p2__p3o__v6e-8.json": {"rl_step": (-0.35, -0.20)},
-    "e3_temperature_1p2__p3o__tpu7x-8__rl_step.json": {"rl_step": (-0.55, -0.45)},
+    "e3_temperature_1p2__p3o__tpu7x-8.json": {"rl_step": (-0.55, -0.45)},
     "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step.json": {"rl_step": (-0.75, -0.65)},
     "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step__4_layers.json": {
         "rl_step": (-0.25, -0.18),
@@ -71,7 +71,7 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
     assert set(MISSES) <= set(by_file)
     for file, rec in by_file.items():
         for name, p in rec["programs"].items():
-            if "planner_bytes" in p:
+            if "planner_bytes" in p and "error" not in p:  # tpu7x-8's crashed sampler: none
                 err = (p["planner_bytes"] - p["compiler_bytes"]) / p["compiler_bytes"]
                 low, high = MISSES.get(file, {}).get(name, (-0.10, 0.10))
                 assert low <= err <= high, (file, name, f"{err:+.1%}")
@@ -88,7 +88,7 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
         "v6e": ("E3 on v6e-8", ratio("e3_temperature_1p2__p3o__v6e-8.json"))
     }
     assert tpu_terms.FSDP_8_STEPS == (
-        ("E3 on tpu7x-8", ratio("e3_temperature_1p2__p3o__tpu7x-8__rl_step.json")),
+        ("E3 on tpu7x-8", ratio("e3_temperature_1p2__p3o__tpu7x-8.json")),
         ("E3 on v5p with tpu7x-8's mesh", ratio(f"{mesh8}.json")),
     )
     off = by_file[f"{mesh8}__8_layers__no_lhs.json"]

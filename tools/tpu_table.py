@@ -69,8 +69,10 @@ def markdown_table(records: list[dict]) -> str:
     for rec in records:
         for name, p in rec["programs"].items():
             head = f"| {_config_cell(rec)} | {rec['topology']} | {name} |"
-            if "error" in p:
-                lines.append(f"{head} refused: {p['error'][:120]} |" + " |" * 9)
+            if "error" in p:  # the compiler's refusal, its crash, or an input that did not compile
+                told = p["error"].startswith(("the compiler crashed", "not compiled"))
+                cell = p["error"][:120] if told else f"refused: {p['error'][:120]}"
+                lines.append(f"{head} {cell} |" + " |" * 9)
                 continue
             comp, plan = p.get("compiler_bytes"), p.get("planner_bytes")
             err = f"{(plan - comp) / comp:+.0%}" if comp and plan is not None else "-"
@@ -85,6 +87,8 @@ def markdown_table(records: list[dict]) -> str:
         verdict = {True: "fits", False: "does not fit"}.get(
             rec["fits"], "compiled programs only (--only)"
         )
+        if rec["fits"] is False and rec["peak_bytes"] <= rec["usable_bytes"]:
+            verdict = "a program did not compile; those that did fit"
         lines.append(
             f"| {_config_cell(rec)} | {rec['topology']} | **peak** | {_gb(rec['peak_bytes'])} of "
             f"{_gb(rec['usable_bytes'])} usable: {verdict} |" + " |" * 9
