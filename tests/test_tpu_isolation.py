@@ -3,8 +3,8 @@ compiling process, as libtpu's stack overflow on E3's sampler prefill for tpu7x-
 row of the record, the other programs' rows kept.
 
 A stand-in worker (a few lines of Python that speak compile_run's progress protocol) dies of
-SIGSEGV on one program; the real worker, tools/compile_tpu.py --worker, is what
-test_compile_tpu.py's v5e record compiles through.
+SIGSEGV on one program, on its way out, of SIGKILL, or of a Python error; the real worker,
+tools/compile_tpu.py --worker, is what test_compile_tpu.py's v5e record compiles through.
 """
 
 import sys
@@ -17,8 +17,11 @@ WORKER = r"""
 import json, os, signal, sys
 
 state = json.load(open(sys.argv[-1].split("=", 1)[1]))
-names = ["rl_step", "sample/prefill", "sample/decode8", "eval/prefill"]
+names = ["rl_step", "sampler_copy", "sample/prefill", "sample/decode8", "eval/prefill"]
 todo = state["only"] or names
+if state["only"]:  # a restart compiles the inputs of what it is given: the copy again
+    todo = todo + ["sampler_copy"]
+mode, crash_on = os.environ["MODE"], os.environ.get("CRASH_ON")
 with open(os.environ["RUNS"], "a") as f:
     f.write(json.dumps(state["only"]) + "\n")
 
@@ -27,21 +30,28 @@ def report(event):
         f.write(json.dumps(event) + "\n")
 
 report({"programs": [n for n in names if n in todo]})
-for i, name in enumerate(n for n in names if n in todo):
+for name in (n for n in names if n in todo):
     if name in state["skip"]:
         report({"row": name, "compiler_bytes": None, "planner_bytes": 1.0, "beside_bytes": 0.0,
                 "loop_trips": 1, "compile_seconds": 0.0, "error": state["skip"][name]})
         continue
     report({"start": name})
-    if name == os.environ["CRASH_ON"]:
+    if name == crash_on and mode == "segv":
         print("*** SIGSEGV STACK OVERFLOW received by PID 7 (TID 9); stack trace: ***\n"
               "PC: @ 0x7fc649593c5b (unknown) xla::TransferSizeUtil::UpdateLeafLayout()\n"
               "    @ 0x7fc64d00cfd3 1888 FailureSignalHandler()\n"
               "  @ 0x7fc63fe1aebd 1472 xla::SpatialMajorConvolution::CalculateClassicWindowCost()\n"
               "E1207 coredump_hook.cc:349] RAW: Skipping coredump", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSEGV)
-    report({"row": name, "compiler_bytes": 10.0 + i, "planner_bytes": 11.0, "beside_bytes": 0.0,
-            "loop_trips": 1, "compile_seconds": 0.5, "memory": {"argument": 10.0 + i}})
+    if name == crash_on and mode == "kill":  # the host's out-of-memory killer
+        os.kill(os.getpid(), signal.SIGKILL)
+    if name == crash_on and mode == "raise":
+        raise RuntimeError("memory_analysis failed")
+    value = 99.0 if state["only"] and name == "sampler_copy" else 10.0 + names.index(name)
+    report({"row": name, "compiler_bytes": value, "planner_bytes": 11.0, "beside_bytes": 0.0,
+            "loop_trips": 1, "compile_seconds": 0.5, "memory": {"argument": value}})
+if mode == "segv_at_exit":  # every row reported, then a crash on the way out
+    os.kill(os.getpid(), signal.SIGSEGV)
 """
 
 
@@ -56,14 +66,17 @@ def worker(tmp_path, monkeypatch):
 def test_a_compiler_crash_is_a_row_and_the_rest_compile(worker, monkeypatch):
     """Catches a crash of the compiler that loses every row (the record never written), a
     crashed program that is not named with its signal and where the compiler crashed (the
-    failure handler's report, not the coredump lines libtpu prints after it), a
-    restart that compiles the crashed program again (a loop of crashes) or recompiles what
-    already compiled, and rows out of the run's order."""
+    failure handler's report, not the coredump lines libtpu prints after it), a restart that
+    compiles the crashed program again (a loop of crashes), compiles what already compiled
+    other than its inputs, or lets an input's second compile replace its first row, and rows
+    out of the run's order."""
     command, runs = worker
+    monkeypatch.setenv("MODE", "segv")
     monkeypatch.setenv("CRASH_ON", "sample/prefill")
     logged = []
     rows = tpu.compile_isolated(command, log=logged.append)
-    assert list(rows) == ["rl_step", "sample/prefill", "sample/decode8", "eval/prefill"]
+    names = ["rl_step", "sampler_copy", "sample/prefill", "sample/decode8", "eval/prefill"]
+    assert list(rows) == names
     crash = rows["sample/prefill"]
     assert crash.compiler_bytes is None and "died of SIGSEGV" in crash.error
     # the report's line and its named frames, innermost first, not the last stderr lines
@@ -72,8 +85,9 @@ def test_a_compiler_crash_is_a_row_and_the_rest_compile(worker, monkeypatch):
         "xla::TransferSizeUtil::UpdateLeafLayout() < "
         "xla::SpatialMajorConvolution::CalculateClassicWindowCost()"
     )
-    assert [rows[n].compiler_bytes for n in ("rl_step", "sample/decode8", "eval/prefill")] == [
-        10.0, 11.0, 12.0,
+    # the copy's first row stands (its restart compile reported 99)
+    assert [rows[n].compiler_bytes for n in names if n != "sample/prefill"] == [
+        10.0, 11.0, 13.0, 14.0,
     ]  # fmt: skip
     assert rows["rl_step"].memory == {"argument": 10.0}
     # the second child compiles what is left, the crashed one a row it is handed
@@ -82,7 +96,35 @@ def test_a_compiler_crash_is_a_row_and_the_rest_compile(worker, monkeypatch):
         '["sample/prefill", "sample/decode8", "eval/prefill"]',
     ]
     assert len(logged) == 1 and logged[0].startswith("sample/prefill: the compiler crashed")
-    assert tpu.peak_bytes(rows) == 12.0
+    assert tpu.peak_bytes(rows) == 14.0
+
+
+def test_a_crash_on_the_way_out_loses_no_row(worker, monkeypatch):
+    """Catches a child that reports every row and then dies (a fault in libtpu's teardown)
+    read as a failure that discards the rows."""
+    command, runs = worker
+    monkeypatch.setenv("MODE", "segv_at_exit")
+    rows = tpu.compile_isolated(command, log=lambda _: None)
+    assert [r.compiler_bytes for r in rows.values()] == [10.0, 11.0, 12.0, 13.0, 14.0]
+    assert runs.read_text().splitlines() == ["null"]
+
+
+@pytest.mark.parametrize(
+    "mode, words",
+    [
+        ("kill", "exited with SIGKILL"),
+        ("raise", "status 1: .*RuntimeError: memory_analysis failed"),
+    ],
+)
+def test_a_death_that_is_not_the_compilers_is_an_error_not_a_row(worker, monkeypatch, mode, words):
+    """Catches the host's out-of-memory kill (SIGKILL) or a Python error after a compile
+    (reading its memory analysis) recorded as the compiler's verdict on that program (a
+    row, the record then committed as a result) instead of an error."""
+    command, _ = worker
+    monkeypatch.setenv("MODE", mode)
+    monkeypatch.setenv("CRASH_ON", "sample/prefill")
+    with pytest.raises(tpu.WorkerError, match=words):
+        tpu.compile_isolated(command, log=lambda _: None)
 
 
 def test_a_crash_outside_a_compile_is_an_error_not_a_row():

@@ -24,7 +24,8 @@ import tpu_table  # noqa: E402  (tools/tpu_table.py)
 # mesh and micro-batches: +9%), and on tpu7x-8, -51%. On v5p with tpu7x-8's mesh and
 # micro-batches (fsdp 8) it is -70%, its first 4 and 8 layers -22% and -43%: the
 # latency-hiding scheduler keeps every layer's recomputed activations; with it off
-# (LIBTPU_INIT_ARGS) the 8 layers are +14%, and at fsdp 4 x data 2 on the same chips +23%.
+# (LIBTPU_INIT_ARGS) the whole step is +17% and the 8 layers +14%, and the 8 layers at fsdp
+# 4 x data 2 on the same chips +23%.
 # The `tiny` preset (SmolLM2-135M, its
 # step without remat: XLA:CPU's terms) on v5e:2x2: its step +25%, its prefill -15%.
 MISSES = {
@@ -38,6 +39,9 @@ MISSES = {
     },
     "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step__8_layers.json": {
         "rl_step": (-0.48, -0.38),
+    },
+    "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step__no_lhs.json": {
+        "rl_step": (0.12, 0.22),
     },
     "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step__8_layers__no_lhs.json": {
         "rl_step": (0.10, 0.18),
@@ -91,9 +95,13 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
         ("E3 on tpu7x-8", ratio("e3_temperature_1p2__p3o__tpu7x-8.json")),
         ("E3 on v5p with tpu7x-8's mesh", ratio(f"{mesh8}.json")),
     )
-    off = by_file[f"{mesh8}__8_layers__no_lhs.json"]
-    assert off["libtpu_init_args"] == "--xla_tpu_enable_latency_hiding_scheduler=false"
-    assert tpu_terms.FSDP_8_WITHOUT_SCHEDULER[1] == ratio(f"{mesh8}__8_layers__no_lhs.json")
+    for off in (f"{mesh8}__no_lhs.json", f"{mesh8}__8_layers__no_lhs.json"):
+        flags = by_file[off]["libtpu_init_args"]
+        assert flags == "--xla_tpu_enable_latency_hiding_scheduler=false", off
+    assert tpu_terms.FSDP_8_WITHOUT_SCHEDULER == (
+        "E3 on v5p with tpu7x-8's mesh",
+        ratio(f"{mesh8}__no_lhs.json"),
+    )
     monkeypatch.chdir(ROOT)
     for rec in records:
         assert compile_tpu.replan(rec) == rec, (rec["config"], rec["topology"])
@@ -118,9 +126,9 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # slices and the whole 48-layer step, E5 on v4-8 and on v5p-8 with v4-8's mesh (tensor 4,
     # no FSDP) at v5p-8's micro-batches and at v4-8's, the splash steps of E2 on v5e-8, E5 on
     # v5e-16 and E3 on v5p-64, E3 on v6e-8, on v5p with v6e-8's mesh, on tpu7x-8 and on v5p
-    # with tpu7x-8's mesh (whole, its first 4 and 8 layers, and 8 without the scheduler) and
+    # with tpu7x-8's mesh (whole and its first 4 and 8 layers, with and without the scheduler) and
     # with fsdp 4 x data 2 (8 layers)
-    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 23
+    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 24
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
@@ -213,5 +221,5 @@ def test_sample_phase_frees_the_gather_and_fsdp_1_moves_nothing():
         c.mesh.fsdp, c.mesh.data = 8, 1
         last = planner.plan(c, 8, device).lines()[-1]
         assert last.startswith("fsdp 8: RL steps compiled at fsdp 8 are over their plans"), last
-        assert "v5p with tpu7x-8's mesh: 3.32x" in last and "0.87x" in last
+        assert "v5p with tpu7x-8's mesh: 3.32x" in last and "0.85x" in last
     assert not plan.lines()[-1].startswith("fsdp")  # v5p-8: fsdp 4

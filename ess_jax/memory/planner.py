@@ -15,7 +15,7 @@ On a TPU device (a key of presets.CHIPS) the transients are the TPU compiler's
 (tpu_terms.py: the train step as the compiler realises remat, decode segments at their own
 cache bound with the weight copies it hoists, and a reshard phase with its second copy of the
 sample-layout params), within 10% of libtpu's memory_analysis on the committed records
-(results/tpu/*.json) but the RL-step misses tests/test_tpu_planner.py pins (docs/tpu.md): the
+(results/tpu/*.json) but the misses tests/test_tpu_planner.py pins (docs/tpu.md): the
 coefficients are fitted on v5e and v5p (tools/fit_tpu_terms.py), extrapolated on v4, v6e and
 tpu7x.
 objective.kl_estimator "full" adds its re-score's logits to the train step (and, with lag 0

@@ -214,7 +214,8 @@ def compile_run(config, devices, log=print, only=None, skip=None, progress=None)
             c = program.lower(compiled).compile()
         except Exception as e:  # the compiler's refusal is a result, not a crash
             msg = " ".join(str(e).split())[:2000] or type(e).__name__
-            if isinstance(e, KeyError) and e.args and e.args[0] in rows:  # an input's layout
+            missing = e.args[0] if isinstance(e, KeyError) and e.args else None
+            if isinstance(missing, str) and missing in rows and missing not in compiled:
                 msg = f"not compiled: it takes {e.args[0]}'s output, which did not compile"
             rows[program.name] = _error_row(program, time.perf_counter() - t0, msg)
             _report(progress, {"row": program.name, **rows[program.name].to_json()})
@@ -257,43 +258,43 @@ class WorkerError(RuntimeError):
         self.returncode, self.last_line = returncode, last_line
 
 
+# Signals by which the compiler itself ends its process (a fault, a failed check's abort);
+# a SIGKILL (the host's out-of-memory killer), SIGTERM or SIGINT is not the compiler's verdict
+# on a program, so it ends compile_isolated instead of becoming a row.
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL)
+
+
 def compile_isolated(command: list[str], log=print, only=None) -> dict[str, Row]:
     """The rows of `compile_run`, compiled in child processes so that a crash of the compiler
     itself (libtpu 0.0.42.1 overflows its stack compiling E3's sampler prefill for tpu7x-8 and
     the process dies of SIGSEGV) is a row, not the loss of every row. `command` runs
     `compile_run` with `--worker=STATE` appended, STATE a JSON file of its `only`, `skip` and
-    `progress` arguments (tools/compile_tpu.py). When a child dies inside a compile, the
-    program it was compiling becomes a row with the signal and the child's last stderr lines,
-    and a new child compiles the programs left (with those their inputs need), that one
-    skipped."""
+    `progress` arguments (tools/compile_tpu.py). When a child dies of one of CRASH_SIGNALS
+    inside a compile, the program it was compiling becomes a row with the signal and the
+    crash report of the child's stderr (`crash_report`; else its last lines), and a new child
+    compiles the programs left (with those their inputs need, whose first rows stand), that
+    one skipped. Any other failure raises WorkerError."""
     rows: dict[str, Row] = {}
     skip: dict[str, str] = {}
-    names = None
     with tempfile.TemporaryDirectory() as tmp:
         state, progress = os.path.join(tmp, "state.json"), os.path.join(tmp, "progress.jsonl")
         err_path = os.path.join(tmp, "stderr")
+        names = None
         while True:
             with open(state, "w") as f:
                 json.dump({"only": only, "skip": skip, "progress": progress}, f)
             open(progress, "w").close()
             with open(err_path, "w") as err:
                 rc = subprocess.run([*command, f"--worker={state}"], stderr=err).returncode
-            started = None
-            with open(progress) as f:
-                for line in f:
-                    event = json.loads(line)
-                    if "programs" in event and names is None:
-                        names = event["programs"]
-                    started = event.get("start", started)
-                    if "row" in event:
-                        name = event.pop("row")
-                        rows[name] = Row(**{k.name: event.get(k.name) for k in
-                                            dataclasses.fields(Row)})  # fmt: skip
-                        started = None if name == started else started
-            if rc == 0:
-                return {n: rows[n] for n in names if n in rows}
+            listed, started = _read_progress(progress, rows)
+            names = names or listed
+            done = names is not None and all(n in rows for n in names)
+            if rc == 0 or done:  # every row reported (a crash on the way out loses none)
+                if not done:
+                    raise WorkerError(rc, "", "it reported no rows of its programs")
+                return {n: rows[n] for n in names}
             tail = _tail(err_path)
-            if started is None:  # died outside a compile: not the compiler's crash
+            if started is None or -rc not in CRASH_SIGNALS:  # not the compiler's crash
                 raise WorkerError(rc, _tail(err_path, lines=1), tail)
             skip[started] = (
                 f"the compiler crashed: the compiling process died of {_exit(rc)} compiling "
@@ -301,6 +302,28 @@ def compile_isolated(command: list[str], log=print, only=None) -> dict[str, Row]
             )
             log(f"{started}: {skip[started][:200]}")
             only = [n for n in names if n not in rows or n in skip]
+
+
+def _read_progress(path: str, rows: dict[str, Row]) -> tuple[list | None, str | None]:
+    """(the programs a child listed, the one it started and did not finish) from its progress
+    file, each reported row added to `rows` unless one stands there already (a restarted
+    child compiles its inputs again); a last line cut short by the child's death is skipped."""
+    names = started = None
+    with open(path) as f:
+        for line in f:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            names = event.get("programs", names)
+            started = event.get("start", started)
+            if "row" in event:
+                name = event.pop("row")
+                if name not in rows:
+                    rows[name] = Row(**{k.name: event.get(k.name) for k in
+                                        dataclasses.fields(Row)})  # fmt: skip
+                started = None if name == started else started
+    return names, started
 
 
 def _exit(rc: int) -> str:

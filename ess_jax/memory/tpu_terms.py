@@ -74,13 +74,13 @@ EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40)}
 # From this FSDP size the compiler's latency-hiding scheduler, overlapping each layer's weight
 # all-gathers, keeps every layer's recomputed activations alive through the backward: remat
 # undone. E3's RL step (4 rows per device) with tpu7x-8's mesh (fsdp 8) on v5p:2x2x2 grows by
-# 2.5 GB a layer (first 4 layers 17.7 GB, 8 layers 27.6, all 36 96.7); the same 8 layers are
-# 13.8 GB with the scheduler off (LIBTPU_INIT_ARGS=--xla_tpu_enable_latency_hiding_scheduler=
-# false) and 15.5 GB on the same 8 chips at fsdp 4 x data 2. The compiled steps over their
-# plans, which a plan at this FSDP size prints (results/tpu):
+# 2.5 GB a layer (first 4 layers 17.7 GB, 8 layers 27.6, all 36 96.7); with the scheduler
+# off (LIBTPU_INIT_ARGS=--xla_tpu_enable_latency_hiding_scheduler=false) the 8 layers are
+# 13.8 GB and all 36 24.8, and the 8 layers on the same 8 chips at fsdp 4 x data 2 15.5 GB.
+# The compiled steps over their plans, which a plan at this FSDP size prints (results/tpu):
 FSDP_LARGE = 8
 FSDP_8_STEPS = (("E3 on tpu7x-8", 2.03), ("E3 on v5p with tpu7x-8's mesh", 3.32))
-FSDP_8_WITHOUT_SCHEDULER = ("E3's first 8 layers on v5p with tpu7x-8's mesh", 0.87)
+FSDP_8_WITHOUT_SCHEDULER = ("E3 on v5p with tpu7x-8's mesh", 0.85)
 
 # One layer's keys per device (rows x kv heads x head dim x cache positions x bytes) from
 # which the compiler lays a decode segment out the second way (module docstring), read off
