@@ -26,13 +26,19 @@ import tpu_table  # noqa: E402  (tools/tpu_table.py)
 # latency-hiding scheduler keeps every layer's recomputed activations; with it off
 # (LIBTPU_INIT_ARGS) the whole step is +17% and the 8 layers +14%, and the 8 layers at fsdp
 # 4 x data 2 on the same chips +23%.
-# The `tiny` preset (SmolLM2-135M, its
+# E5 on tpu7x-8 (fsdp 8): its step -70%, and its eval's float32 decode segments at one row
+# per device -28% to -21% (tpu7x's compiler makes the bfloat16 weight copy there that v5p's
+# makes from two rows on). The `tiny` preset (SmolLM2-135M, its
 # step without remat: XLA:CPU's terms) on v5e:2x2: its step +25%, its prefill -15%.
 MISSES = {
     "e5_fp8__p3o__v4-8.json": {"rl_step": (0.10, 0.20)},
     "e5_fp8__p3o__v5p-8__tensor4_rows1.json": {"rl_step": (0.10, 0.20)},
     "e3_temperature_1p2__p3o__v6e-8.json": {"rl_step": (-0.35, -0.20)},
     "e3_temperature_1p2__p3o__tpu7x-8.json": {"rl_step": (-0.55, -0.45)},
+    "e5_fp8__p3o__tpu7x-8.json": {
+        "rl_step": (-0.75, -0.65),
+        **dict.fromkeys([f"eval/decode{n}" for n in (2048, 4096, 8192, 16384)], (-0.30, -0.18)),
+    },
     "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step.json": {"rl_step": (-0.75, -0.65)},
     "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step__4_layers.json": {
         "rl_step": (-0.25, -0.18),
@@ -93,6 +99,7 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
     }
     assert tpu_terms.FSDP_8_STEPS == (
         ("E3 on tpu7x-8", ratio("e3_temperature_1p2__p3o__tpu7x-8.json")),
+        ("E5 on tpu7x-8", ratio("e5_fp8__p3o__tpu7x-8.json")),
         ("E3 on v5p with tpu7x-8's mesh", ratio(f"{mesh8}.json")),
     )
     for off in (f"{mesh8}__no_lhs.json", f"{mesh8}__8_layers__no_lhs.json"):
@@ -125,10 +132,10 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # micro-batches by tokens, E3's and E5's first 4 layers with einsum, the 4- and 6-layer MoE
     # slices and the whole 48-layer step, E5 on v4-8 and on v5p-8 with v4-8's mesh (tensor 4,
     # no FSDP) at v5p-8's micro-batches and at v4-8's, the splash steps of E2 on v5e-8, E5 on
-    # v5e-16 and E3 on v5p-64, E3 on v6e-8, on v5p with v6e-8's mesh, on tpu7x-8 and on v5p
-    # with tpu7x-8's mesh (whole and its first 4 and 8 layers, with and without the scheduler) and
-    # with fsdp 4 x data 2 (8 layers)
-    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 24
+    # v5e-16 and E3 on v5p-64, E3 on v6e-8, on v5p with v6e-8's mesh, E3 and E5 on tpu7x-8,
+    # E3 on v5p with tpu7x-8's mesh (whole and its first 4 and 8 layers, with and without the
+    # scheduler) and with fsdp 4 x data 2 (8 layers)
+    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 25
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS

@@ -72,13 +72,16 @@ FITTED = ("v5e", "v5p")
 # FSDP_8_STEPS), so v4 and tpu7x plans print none.
 EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40)}
 # At this FSDP size (8-way weight all-gathers) the compiler's latency-hiding scheduler keeps
-# every layer's recomputed activations alive through the backward: remat undone. E3's RL step (4 rows per device) with tpu7x-8's mesh (fsdp 8) on v5p:2x2x2 grows by
-# 2.5 GB a layer (first 4 layers 17.7 GB, 8 layers 27.6, all 36 96.7); with the scheduler
-# off (LIBTPU_INIT_ARGS=--xla_tpu_enable_latency_hiding_scheduler=false) the 8 layers are
-# 13.8 GB and all 36 24.8, and the 8 layers on the same 8 chips at fsdp 4 x data 2 15.5 GB.
-# The compiled steps over their plans, which a plan at this FSDP size prints (results/tpu):
+# every layer's recomputed activations alive through the backward: remat undone. E3's RL
+# step (4 rows per device) with tpu7x-8's mesh (fsdp 8) on v5p:2x2x2 grows by 2.5 GB a layer
+# (first 4 layers 17.7 GB, 8 layers 27.6, all 36 96.7); with the scheduler off
+# (LIBTPU_INIT_ARGS=--xla_tpu_enable_latency_hiding_scheduler=false) the 8 layers are 13.8 GB
+# and all 36 24.8, and the 8 layers on the same 8 chips at fsdp 4 x data 2 15.5 GB. The
+# compiled steps over their plans, which a plan at this FSDP size prints (results/tpu):
 FSDP_LARGE = 8
-FSDP_8_STEPS = (("E3 on tpu7x-8", 2.03), ("E3 on v5p with tpu7x-8's mesh", 3.32))
+FSDP_8_STEPS = (
+    ("E3 on tpu7x-8", 2.03), ("E5 on tpu7x-8", 3.39), ("E3 on v5p with tpu7x-8's mesh", 3.32),
+)  # fmt: skip
 FSDP_8_WITHOUT_SCHEDULER = ("E3 on v5p with tpu7x-8's mesh", 0.85)
 
 # One layer's keys per device (rows x kv heads x head dim x cache positions x bytes) from
