@@ -27,7 +27,7 @@ import tpu_table  # noqa: E402  (tools/tpu_table.py)
 # (LIBTPU_INIT_ARGS) the whole step is +17% and the 8 layers +14%, and the 8 layers at fsdp
 # 4 x data 2 on the same chips +23%.
 # E5 on tpu7x-8 (fsdp 8): its step -70%, and its eval's float32 decode segments at one row
-# per device -28% to -21% (tpu7x's compiler makes the bfloat16 weight copy there that v5p's
+# per device -27% to -21% (tpu7x's compiler makes the bfloat16 weight copy there that v5p's
 # makes from two rows on). The `tiny` preset (SmolLM2-135M, its
 # step without remat: XLA:CPU's terms) on v5e:2x2: its step +25%, its prefill -15%.
 MISSES = {

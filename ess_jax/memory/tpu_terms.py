@@ -71,7 +71,7 @@ FITTED = ("v5e", "v5p")
 # mesh and micro-batches: 0.85x), nor is tpu7x's E3 step, 2.03x, tpu7x's (it is fsdp 8's:
 # FSDP_8_STEPS), so v4 and tpu7x plans print none.
 EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40)}
-# At this FSDP size (8-way weight all-gathers) the compiler's latency-hiding scheduler keeps
+# From this FSDP size (8-way weight all-gathers) the compiler's latency-hiding scheduler keeps
 # every layer's recomputed activations alive through the backward: remat undone. E3's RL
 # step (4 rows per device) with tpu7x-8's mesh (fsdp 8) on v5p:2x2x2 grows by 2.5 GB a layer
 # (first 4 layers 17.7 GB, 8 layers 27.6, all 36 96.7); with the scheduler off
