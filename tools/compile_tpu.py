@@ -15,9 +15,10 @@ topology (`presets.PRESETS[...].topology`) or of --topology, on the config's mes
 compiles each with the TPU compiler (ess_jax/memory/tpu.py). A program the compiler refuses
 is a row with its message. The compiles run in a child process of this tool (--worker,
 tpu.compile_isolated), so that a crash of the compiler itself (libtpu's SIGSEGV on E3's
-sampler prefill for tpu7x-8) is a row too, with the signal and the compiler's last stderr
-lines, and a new child compiles the programs left; --in-process compiles in this process
-(a child's start saved, a crash then loses every row). --json writes
+sampler prefill for tpu7x-8) is a row too, with the signal and the compiler's crash report
+(its last stderr lines where it printed none), and a new child compiles the programs left;
+--in-process compiles in this process (a child's start saved, a crash then loses every row).
+--json writes
 `{"topology", "hbm_bytes", "fits", "programs": {name: {"compiler_bytes", "planner_bytes",
 "flops", "bytes_accessed", "optimal_seconds", ...}}}`: compiler_bytes are arguments + outputs +
 temporaries - aliases per device, as the planner counts; `fits` is whether every program

@@ -100,7 +100,7 @@ def step_row(record: dict) -> tuple[dict, float, float] | None:
         if record.get("layers"):  # compiled with --layers: the planner plans the same slice
             config = compile_tpu.sliced(config, record["layers"])
         cfg = planner.model_config(config.model)
-        if not cfg.remat or cfg.lora_rank:
+        if not tpu_terms.models_step(cfg):
             return None
         with mock.patch.dict(tpu_terms.TPU_COEF, dict.fromkeys(TERMS, 1.0)):
             plan = planner.plan(config, record["devices"], device)

@@ -86,6 +86,11 @@ class Row:
     def to_json(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
+    @classmethod
+    def from_json(cls, fields: dict) -> Row:
+        """The Row that `to_json` wrote (its None fields left out)."""
+        return cls(**{f.name: fields.get(f.name) for f in dataclasses.fields(cls)})
+
 
 def memory_bytes(compiled) -> tuple[float, dict]:
     m = compiled.memory_analysis()
@@ -202,11 +207,15 @@ def compile_run(config, devices, log=print, only=None, skip=None, progress=None)
                            for n in needed)}  # fmt: skip
         progs = [p for p in progs if p.name in needed]
     _report(progress, {"programs": [p.name for p in progs]})
+
+    def record(name: str, row: Row) -> None:  # the row, also in `progress`
+        rows[name] = row
+        _report(progress, {"row": name, **row.to_json()})
+
     for program in progs:
         t0 = time.perf_counter()
         if program.name in skip:
-            rows[program.name] = _error_row(program, 0.0, skip[program.name])
-            _report(progress, {"row": program.name, **rows[program.name].to_json()})
+            record(program.name, _error_row(program, 0.0, skip[program.name]))
             log(f"{program.name}: not compiled: {skip[program.name][:200]}")
             continue
         _report(progress, {"start": program.name})
@@ -217,20 +226,18 @@ def compile_run(config, devices, log=print, only=None, skip=None, progress=None)
             missing = e.args[0] if isinstance(e, KeyError) and e.args else None
             if isinstance(missing, str) and missing in rows and missing not in compiled:
                 msg = f"not compiled: it takes {e.args[0]}'s output, which did not compile"
-            rows[program.name] = _error_row(program, time.perf_counter() - t0, msg)
-            _report(progress, {"row": program.name, **rows[program.name].to_json()})
+            record(program.name, _error_row(program, time.perf_counter() - t0, msg))
             log(f"{program.name}: compile error: {msg[:200]}")
             continue
         compiled[program.name] = c
         total, parts = memory_bytes(c)
         cost, hlo = _cost(c), c.as_text()
-        rows[program.name] = Row(
+        record(program.name, Row(
             total, program.planner_bytes, program.beside_bytes, cost.get("flops"),
             cost.get("bytes accessed"), cost.get("optimal_seconds"), program.loop_trips,
             time.perf_counter() - t0, memory=parts, collectives=collective_bytes(hlo),
             loop_collectives=collective_bytes(hlo, in_loops=True),
-        )  # fmt: skip
-        _report(progress, {"row": program.name, **rows[program.name].to_json()})
+        ))  # fmt: skip
         log(f"{program.name}: {total / 1e9:.3f} GB per device, compiled in "
             f"{rows[program.name].compile_seconds:.1f} s")  # fmt: skip
     return rows
@@ -320,8 +327,7 @@ def _read_progress(path: str, rows: dict[str, Row]) -> tuple[list | None, str | 
             if "row" in event:
                 name = event.pop("row")
                 if name not in rows:
-                    rows[name] = Row(**{k.name: event.get(k.name) for k in
-                                        dataclasses.fields(Row)})  # fmt: skip
+                    rows[name] = Row.from_json(event)
                 started = None if name == started else started
     return names, started
 
@@ -344,8 +350,7 @@ def crash_report(path: str, frames: int = 14) -> str | None:
     """The crash in a dead process's stderr (`path`), in one line: the failure signal
     handler's report line ("*** SIGSEGV STACK OVERFLOW ... received by PID ...") and the
     innermost `frames` named frames of its stack trace; None where stderr holds no report."""
-    with open(path, errors="replace") as f:
-        text = [line.strip() for line in f if line.strip()]
+    text = _lines(path)
     starts = [i for i, line in enumerate(text) if _FATAL.search(line)]
     if not starts:
         return None
@@ -357,10 +362,14 @@ def crash_report(path: str, frames: int = 14) -> str | None:
     return f"{text[starts[-1]]} at {' < '.join(symbols[:frames])}"
 
 
-def _tail(path: str, lines: int = 6, chars: int = 1500) -> str:
+def _lines(path: str) -> list[str]:
+    """A stderr file's non-blank lines, stripped."""
     with open(path, errors="replace") as f:
-        text = [line.strip() for line in f if line.strip()]
-    return " | ".join(text[-lines:])[-chars:] or "(none)"
+        return [line.strip() for line in f if line.strip()]
+
+
+def _tail(path: str, lines: int = 6, chars: int = 1500) -> str:
+    return " | ".join(_lines(path)[-lines:])[-chars:] or "(none)"
 
 
 def peak_bytes(rows: dict[str, Row]) -> float:

@@ -218,6 +218,13 @@ def lookup_table(cfg, mesh, precision: str) -> float:
     return float(cfg.vocab_size * cfg.hidden_size * (4 if precision == "float32" else 2))
 
 
+def models_step(cfg) -> bool:
+    """Whether `train_terms` counts `cfg`'s RL step with the TPU terms: with `model.remat` and
+    without LoRA (every paper arm); else the step is not measured on TPU and XLA:CPU's terms
+    (terms.train_terms) plan it."""
+    return bool(cfg.remat) and not cfg.lora_rank
+
+
 def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
     """terms.train_terms on a TPU (same arguments), per device, with `model.remat` (every
     paper arm): the gradient state, the block inputs of every layer (the compiler's remat:
@@ -236,7 +243,7 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     own coefficient, fitted to the splash steps (TPU_COEF's "logits_splash"). Without remat,
     or with LoRA (QLoRA), the step is not measured on TPU:
     terms.train_terms (XLA:CPU's)."""
-    if not cfg.remat or cfg.lora_rank:
+    if not models_step(cfg):
         return terms.train_terms(cfg, mesh, rows, seq_len, full_kl_models, scored_len)
     r, t = terms.batch_split(rows, mesh), seq_len
     s = seq_len if scored_len is None else scored_len
