@@ -28,6 +28,7 @@ from configs.mini import common as mini
 from configs.mini.common import OBJECTIVES
 from ess_jax.config import presets
 from ess_jax.config.defaults import base_config
+from ess_jax.memory import tpu_terms
 from ess_jax.parallel import sharding
 
 __all__ = ["OBJECTIVES", "base", "finish", "parse", "with_objective"]
@@ -163,6 +164,8 @@ def _fit(c, preset: str, min_tensor: int, expert: int = 1, rows: int | None = No
     per_call = max(1, sample_rows * ranks // c.rollout.group_size)
     c.rollout.sample_microbatches = max(1, c.data.prompts_per_step // per_call)
     c.model.remat = True  # block inputs only: long responses do not fit otherwise
+    # from fsdp 8 the TPU compiler undoes a free remat (docs/tpu.md): the backward in order
+    c.model.remat_ordered = c.mesh["fsdp"] >= tpu_terms.FSDP_LARGE
     # eval samples in float32 (twice the bytes): a quarter of the rows, whole data ranks
     eval_rows = max(1, sample_rows // 4) * ranks
     c.eval.batch_size = max(1, eval_rows // c.eval.k)

@@ -101,6 +101,11 @@ class ModelFields:
         0, ints(0), "> 0: full-sequence forwards do the LM head and attention in chunks of this"
     )
     remat: bool = knob(False, FLAG, "recompute each block in the backward pass (long sequences)")
+    # model/remat.py: the TPU compiler's latency-hiding scheduler otherwise holds every layer's
+    # activations at fsdp 8 (docs/tpu.md)
+    remat_ordered: bool = knob(
+        False, FLAG, "with remat: run the backward layer by layer (recompute after the cotangent)"
+    )
     # einsum | cudnn (NVIDIA GPU, bf16) | xla | splash (TPU, float32 / bf16; training and
     # scoring forwards only)
     attention_impl: str = knob(

@@ -90,12 +90,14 @@ def model_config(mcfg) -> model_lib.ModelConfig:
 
 @dataclasses.dataclass
 class Plan:
-    """Per-device bytes: `resident` buffers live for the whole run, each phase adds its own."""
+    """Per-device bytes: `resident` buffers live for the whole run, each phase adds its own;
+    `notes`: what the plan does not count, printed after its verdict."""
 
     device: str
     mesh: dict
     resident: dict[str, float]
     phases: dict[str, dict[str, float]]
+    notes: tuple[str, ...] = ()
 
     def phase_total(self, phase: str) -> float:
         return sum(self.resident.values()) + sum(self.phases[phase].values())
@@ -138,17 +140,7 @@ class Plan:
                 name, ratio = tpu_terms.EXTRAPOLATED_STEPS[self.device]
                 line += f"; compiled, {name}'s RL step is {ratio:.2f}x its plan"
             out.append(line + " (docs/tpu.md)")
-        if tpu_terms.is_tpu(self.device) and self.mesh.get("fsdp", 1) >= tpu_terms.FSDP_LARGE:
-            ratios = ", ".join(f"{name}: {r:.2f}x" for name, r in tpu_terms.FSDP_8_STEPS)
-            name, ratio = tpu_terms.FSDP_8_WITHOUT_SCHEDULER
-            out.append(
-                f"fsdp {self.mesh['fsdp']}: RL steps compiled at fsdp {tpu_terms.FSDP_LARGE} are "
-                f"over their plans ({ratios}): the latency-hiding scheduler keeps every "
-                "layer's recomputed activations; with LIBTPU_INIT_ARGS="
-                f"--xla_tpu_enable_latency_hiding_scheduler=false, {name}: {ratio:.2f}x "
-                "(docs/tpu.md)"
-            )
-        return out
+        return out + list(self.notes)
 
 
 def device_train_terms(device: str, *args, **kwargs) -> dict:
@@ -296,4 +288,5 @@ def plan(
         phases["train step"]["params sync copies (newest + offered)"] = trained + exchange
         if "sample" in phases:
             phases["sample"]["params sync copy (exchange layout)"] = exchange
-    return Plan(device, sizes, resident, phases)
+    note = tpu_terms.free_remat_note(cfg, amesh) if tpu else None
+    return Plan(device, sizes, resident, phases, (note,) if note else ())

@@ -9,7 +9,10 @@ assignment, `XLA_FLAGS=--xla_dump_to=DIR`: each module's `*memory-usage-report.t
 peak live set in its `*live-range.txt`):
   - the train step: the compiler realises `model.remat` (block inputs of every layer, one
     layer's activations recomputed at a time) and gathers one layer's FSDP weights at a time,
-    where XLA:CPU keeps every layer's gathered weights alive (terms.COEF["gathered"]);
+    where XLA:CPU keeps every layer's gathered weights alive (terms.COEF["gathered"]); up to
+    fsdp 4 with jax.checkpoint's free remat, from fsdp 8 (FSDP_LARGE) only with
+    `model.remat_ordered` (model/remat.py), as the coefficients are fitted to free remat's
+    steps (ordered ones compile 8-17% below them);
   - a decode segment's cache is the segment's own bound, not the whole length; the compiler
     hoists out of the decode loop a relaid-out copy of every layer's q / k / v projections
     (16-bit and quantized weights) or, at 2 or more rows per device, a bfloat16 copy of every
@@ -71,18 +74,18 @@ FITTED = ("v5e", "v5p")
 # mesh and micro-batches: 0.85x), nor is tpu7x's E3 step, 2.03x, tpu7x's (it is fsdp 8's:
 # FSDP_8_STEPS), so v4 and tpu7x plans print none.
 EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40)}
-# From this FSDP size (8-way weight all-gathers) the compiler's latency-hiding scheduler keeps
-# every layer's recomputed activations alive through the backward: remat undone. E3's RL
-# step (4 rows per device) with tpu7x-8's mesh (fsdp 8) on v5p:2x2x2 grows by 2.5 GB a layer
-# (first 4 layers 17.7 GB, 8 layers 27.6, all 36 96.7); with the scheduler off
-# (LIBTPU_INIT_ARGS=--xla_tpu_enable_latency_hiding_scheduler=false) the 8 layers are 13.8 GB
-# and all 36 24.8, and the 8 layers on the same 8 chips at fsdp 4 x data 2 15.5 GB. The
-# compiled steps over their plans, which a plan at this FSDP size prints (results/tpu):
+# From this FSDP size (8-way weight all-gathers) the compiler undoes jax.checkpoint's remat
+# (model.remat without model.remat_ordered): E3's RL step (4 rows per device) with tpu7x-8's
+# mesh (fsdp 8) on v5p:2x2x2 grows by 2.5 GB a layer (first 4 layers 17.7 GB, 8 layers 27.6,
+# all 36 96.7), with no recompute in its flop count; with the latency-hiding scheduler off
+# (LIBTPU_INIT_ARGS=--xla_tpu_enable_latency_hiding_scheduler=false) the 36 layers are 24.8
+# GB, and with model.remat_ordered (scheduler on) 25.0 (planner +16.5%; its 8 layers 13.4,
+# +17%). The paper presets order the remat from this size (configs/paper/common.py); a plan of
+# a free remat here prints the compiled steps over their plans (results/tpu):
 FSDP_LARGE = 8
-FSDP_8_STEPS = (
+UNORDERED_FSDP_8_STEPS = (
     ("E3 on tpu7x-8", 2.03), ("E5 on tpu7x-8", 3.39), ("E3 on v5p with tpu7x-8's mesh", 3.32),
 )  # fmt: skip
-FSDP_8_WITHOUT_SCHEDULER = ("E3 on v5p with tpu7x-8's mesh", 0.85)
 
 # One layer's keys per device (rows x kv heads x head dim x cache positions x bytes) from
 # which the compiler lays a decode segment out the second way (module docstring), read off
@@ -216,6 +219,19 @@ def lookup_table(cfg, mesh, precision: str) -> float:
     if t == 1 or cfg.vocab_size % t:
         return 0.0
     return float(cfg.vocab_size * cfg.hidden_size * (4 if precision == "float32" else 2))
+
+
+def free_remat_note(cfg, mesh) -> str | None:
+    """A plan's warning where the TPU compiler undoes `cfg`'s remat (FSDP_LARGE): a step with
+    model.remat but not model.remat_ordered at fsdp 8 or more; None elsewhere."""
+    fsdp = mesh.shape["fsdp"]
+    if not cfg.remat or cfg.remat_ordered or fsdp < FSDP_LARGE:
+        return None
+    ratios = ", ".join(f"{name}: {r:.2f}x" for name, r in UNORDERED_FSDP_8_STEPS)
+    return (
+        f"fsdp {fsdp}: the TPU compiler undoes a free remat from fsdp {FSDP_LARGE} (compiled RL "
+        f"steps over their plans: {ratios}); set model.remat_ordered (docs/tpu.md)"
+    )
 
 
 def models_step(cfg) -> bool:

@@ -48,6 +48,9 @@ class ModelConfig:
     logits_chunk: int = 0
     # recompute each block in the backward pass (keeps only the [B, T, D] block inputs)
     remat: bool = False
+    # with remat: each layer's recompute waits for its output cotangent, and its input
+    # cotangent for its weight gradient (remat.py); else jax.checkpoint, which XLA may reorder
+    remat_ordered: bool = False
     # attention of the several-query forwards (training, the prefill; decode steps take
     # `decode_attention`'s one-query path): "einsum" (layers.attention, any backend), "cudnn"
     # (jax.nn.dot_product_attention's fused kernel: NVIDIA GPUs, bf16), "xla" (jax's

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from ess_jax.model import lora, moe, param_init
+from ess_jax.model import lora, moe, param_init, remat
 from ess_jax.model.config import ModelConfig
 from ess_jax.model.layers import dense, matmul_input, rms_norm
 from ess_jax.model.self_attention import Attention
@@ -169,7 +169,8 @@ class Decoder(nnx.Module):
             if routing is not None and cfg.is_sparse(i):
                 replay = routing[:, :, len(routed)]
             if cfg.remat and cache is None:  # the recompute redraws the same dropout masks
-                x, c, r = jax.checkpoint(
+                checkpoint = remat.remat if cfg.remat_ordered else jax.checkpoint
+                x, c, r = checkpoint(
                     lambda x, p, m, k, e, layer=layer: layer(cfg, x, p, m, None, 0, None, k, e)
                 )(x, positions_BxT, kv_mask_BxS, keys, replay)
             else:
