@@ -131,10 +131,12 @@ def test_keys_are_a_function_of_seed_update_and_row():
     assert len({tuple(r) for r in k(0, 3)}) == 8
 
 
-def test_remat_redraws_the_same_masks(tiny):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_remat_redraws_the_same_masks(tiny, ordered):
     """Catches a rematerialised forward that draws new masks in the backward's recompute (its
-    gradient would belong to no forward): the adapters' gradient with model.remat equals the
-    one without, under dropout."""
+    gradient would belong to no forward): the adapters' gradient with model.remat (free or
+    ordered: model/remat.py's custom_vjp saves the typed keys) equals the one without, under
+    dropout."""
     cfg, base, adapters, tokens = tiny
     keys = lora.dropout_keys(0, jnp.int32(5), tokens.shape[0])
 
@@ -145,7 +147,7 @@ def test_remat_redraws_the_same_masks(tiny):
 
         return _jit0(jax.grad(loss))(adapters)
 
-    got, ref = grads(cfg.replace(remat=True)), grads(cfg)
+    got, ref = grads(cfg.replace(remat=True, remat_ordered=ordered)), grads(cfg)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):  # float32 sums reordered
         np.testing.assert_allclose(g, r, atol=1e-5 * float(jnp.abs(r).max()))
 
