@@ -165,7 +165,8 @@ def _fit(c, preset: str, min_tensor: int, expert: int = 1, rows: int | None = No
     c.rollout.sample_microbatches = max(1, c.data.prompts_per_step // per_call)
     c.model.remat = True  # block inputs only: long responses do not fit otherwise
     # from fsdp 8 the TPU compiler undoes a free remat (docs/tpu.md): the backward in order
-    c.model.remat_ordered = c.mesh["fsdp"] >= tpu_terms.FSDP_LARGE
+    tpu = tpu_terms.is_tpu(p.device)
+    c.model.remat_ordered = tpu and c.mesh["fsdp"] >= tpu_terms.FSDP_LARGE
     # eval samples in float32 (twice the bytes): a quarter of the rows, whole data ranks
     eval_rows = max(1, sample_rows // 4) * ranks
     c.eval.batch_size = max(1, eval_rows // c.eval.k)

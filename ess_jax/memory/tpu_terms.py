@@ -11,8 +11,8 @@ peak live set in its `*live-range.txt`):
     layer's activations recomputed at a time) and gathers one layer's FSDP weights at a time,
     where XLA:CPU keeps every layer's gathered weights alive (terms.COEF["gathered"]); up to
     fsdp 4 with jax.checkpoint's free remat, from fsdp 8 (FSDP_LARGE) only with
-    `model.remat_ordered` (model/remat.py), as the coefficients are fitted to free remat's
-    steps (ordered ones compile 8-17% below them);
+    `model.remat_ordered` (model/remat.py); the coefficients are fitted to free remat's steps
+    (ordered ones on v5p compile from 14% below them to 3% above: docs/tpu.md);
   - a decode segment's cache is the segment's own bound, not the whole length; the compiler
     hoists out of the decode loop a relaid-out copy of every layer's q / k / v projections
     (16-bit and quantized weights) or, at 2 or more rows per device, a bfloat16 copy of every
@@ -70,10 +70,11 @@ TPU_COEF = {
 FITTED = ("v5e", "v5p")
 # On the others, a held-out RL step compiled there (results/tpu): the compiler's bytes over
 # the planner's, which a plan on it prints. E3 on v6e-8 is 1.40x, on v5p with v6e-8's mesh
-# and micro-batches 0.92x: v6e's own. v4's E5 step, 0.87x, is not v4's (on v5p with v4-8's
-# mesh and micro-batches: 0.85x), nor is tpu7x's E3 step, 2.03x, tpu7x's (it is fsdp 8's:
-# FSDP_8_STEPS), so v4 and tpu7x plans print none.
-EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40)}
+# and micro-batches 0.92x: v6e's own. On tpu7x-8 (fsdp 8, model.remat_ordered) E3's step is
+# 1.33x and E5's 2.13x, on v5p with tpu7x-8's mesh E3's 0.86x: tpu7x's own (the larger is
+# printed). v4's E5 step, 0.87x, is not v4's (on v5p with v4-8's mesh and micro-batches:
+# 0.85x), so v4 plans print none.
+EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E5 on tpu7x-8", 2.13)}
 # From this FSDP size (8-way weight all-gathers) the compiler undoes jax.checkpoint's remat
 # (model.remat without model.remat_ordered): E3's RL step (4 rows per device) with tpu7x-8's
 # mesh (fsdp 8) on v5p:2x2x2 grows by 2.5 GB a layer (first 4 layers 17.7 GB, 8 layers 27.6,
