@@ -18,8 +18,7 @@ ARMS = ("grpo_eps0.2", "p3o", "p3o_cap_only", "p3o_kl_only", "grpo_tis")
 # v5e-8: does not fit (tools/plan_memory.py); the RL step on v5e-16 compiles to 13.4 GB of its
 # 14.4 usable, the whole run on v4-8 to 26.7 of 30.9 and on tpu7x-8 to 49.7 of 92.8 (its step
 # 2.13x its plan at fsdp 8 with model.remat_ordered: docs/tpu.md); v6e-8 rests on the planner
-# alone, its TPU terms
-# extrapolated from v5e and v5p (docs/paper_scale.md)
+# alone, its TPU terms extrapolated from v5e and v5p (docs/paper_scale.md)
 PRESETS = common.FITS_4B
 
 

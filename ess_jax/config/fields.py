@@ -101,8 +101,7 @@ class ModelFields:
         0, ints(0), "> 0: full-sequence forwards do the LM head and attention in chunks of this"
     )
     remat: bool = knob(False, FLAG, "recompute each block in the backward pass (long sequences)")
-    # model/remat.py: the TPU compiler's latency-hiding scheduler otherwise holds every layer's
-    # activations at fsdp 8 (docs/tpu.md)
+    # model/remat.py: from fsdp 8 the TPU compiler otherwise undoes remat (docs/tpu.md)
     remat_ordered: bool = knob(
         False, FLAG, "with remat: run the backward layer by layer (recompute after the cotangent)"
     )
