@@ -167,6 +167,10 @@ def _fit(c, preset: str, min_tensor: int, expert: int = 1, rows: int | None = No
     # from fsdp 8 the TPU compiler undoes a free remat (docs/tpu.md): the backward in order
     tpu = tpu_terms.is_tpu(p.device)
     c.model.remat_ordered = tpu and c.mesh["fsdp"] >= tpu_terms.FSDP_LARGE
+    # libtpu crashes compiling a bfloat16 sampler's prefill for tpu7x at 1024-query chunks (an
+    # fp8 one compiles); at 512 it compiles, after the step too (docs/tpu.md)
+    if p.device == "tpu7x" and c.rollout.precision == "bfloat16":
+        c.model.logits_chunk = 512
     # eval samples in float32 (twice the bytes): a quarter of the rows, whole data ranks
     eval_rows = max(1, sample_rows // 4) * ranks
     c.eval.batch_size = max(1, eval_rows // c.eval.k)
