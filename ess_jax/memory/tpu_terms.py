@@ -71,7 +71,7 @@ FITTED = ("v5e", "v5p")
 # On the others, a held-out RL step compiled there (results/tpu): the compiler's bytes over
 # the planner's, which a plan on it prints. E3 on v6e-8 is 1.40x, on v5p with v6e-8's mesh
 # and micro-batches 0.92x: v6e's own. On tpu7x-8 (fsdp 8, model.remat_ordered) E3's step is
-# 1.33x and E5's 2.13x, on v5p with tpu7x-8's mesh E3's 0.86x: tpu7x's own (the larger is
+# 1.39x and E5's 2.13x, on v5p with tpu7x-8's mesh E3's 0.86x: tpu7x's own (the larger is
 # printed). v4's E5 step, 0.87x, is not v4's (on v5p with v4-8's mesh and micro-batches:
 # 0.85x), so v4 plans print none.
 EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E5 on tpu7x-8", 2.13)}
