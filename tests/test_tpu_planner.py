@@ -33,8 +33,9 @@ import tpu_table  # noqa: E402  (tools/tpu_table.py)
 # -24%.
 # E5 on tpu7x-8 (fsdp 8): its eval's float32 decode segments at one row per device -27% to
 # -21% (tpu7x's compiler makes the bfloat16 weight copy there that v5p's makes from two rows
-# on). The `tiny` preset (SmolLM2-135M, its step without remat: XLA:CPU's terms) on v5e:2x2:
-# its step +25%, its prefill -15%.
+# on). Steps without remat are planned with XLA:CPU's terms: the `tiny` preset (SmolLM2-135M)
+# on v5e:2x2, its step +25% (its prefill -15%); E3's first 4 and 8 layers and E5's first 4
+# on v5p-8 with model.remat False, +46%, +48% and +67%.
 UNORDERED = "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step"
 MISSES = {
     "e5_fp8__p3o__v4-8.json": {"rl_step": (0.10, 0.20)},
@@ -66,6 +67,9 @@ MISSES = {
     "e3_temperature_1p2__p3o__v5p-16__fsdp4_data2__rl_step__8_layers__remat_unordered.json": {
         "rl_step": (0.18, 0.28),
     },
+    "e3_temperature_1p2__p3o__v5p-8__rl_step__4_layers__no_remat.json": {"rl_step": (0.40, 0.52)},
+    "e3_temperature_1p2__p3o__v5p-8__rl_step__8_layers__no_remat.json": {"rl_step": (0.42, 0.54)},
+    "e5_fp8__p3o__v5p-8__rl_step__4_layers__no_remat.json": {"rl_step": (0.60, 0.72)},
     "e3_temperature_1p2__p3o__tiny__v5e-2x2.json": {
         "rl_step": (0.20, 0.30), "sample/prefill": (-0.20, -0.10),
     },
