@@ -18,10 +18,10 @@ it (928.6 TFLOP against 1152.3 here): remat undone (results/tpu/*remat_unordered
 The same step compiles to 25.0 GB (jax.checkpoint's with the latency-hiding scheduler off:
 24.8) and its first 8 layers to 13.4 GB (27.6 with jax.checkpoint; 25.7 with the first
 barrier only), its compiler time estimate 5.48 s against 5.26: the recompute's 24% more
-flops. On tpu7x-8 it brings E5's step from 79.4 to 49.7 GB. At
-fsdp 4 (v5p-8's mesh), where the compiler keeps jax.checkpoint's remat, E3's first 4 layers
-are 14.24 GB against 15.64 and E5's (one 17K-token row per device) 11.73 against 11.27, the
-flops and time estimates the same. Values and gradients are jax.checkpoint's bit for bit
+flops. On tpu7x-8 it brings E5's step from 79.4 to 49.7 GB. At fsdp 4 (v5p-8's mesh), where
+the compiler keeps jax.checkpoint's remat, E3's first 4 layers are 14.24 GB against 15.64 and
+E5's (one 17K-token row per device) 11.73 against 11.27, with the same flops and time
+estimates within 1%. Values and gradients are jax.checkpoint's bit for bit
 (tests/test_remat.py).
 """
 
