@@ -139,6 +139,11 @@ class Plan:
             if self.device in tpu_terms.EXTRAPOLATED_STEPS:
                 name, ratio = tpu_terms.EXTRAPOLATED_STEPS[self.device]
                 line += f"; compiled, {name}'s RL step is {ratio:.2f}x its plan"
+                if self.device in tpu_terms.WITHOUT_COLLECTIVE_MATMUL:
+                    flagged = tpu_terms.WITHOUT_COLLECTIVE_MATMUL[self.device]
+                    line += (
+                        f", {flagged:.2f}x with LIBTPU_INIT_ARGS='{tpu_terms.NO_COLLECTIVE_MATMUL}'"
+                    )
             out.append(line + " (docs/tpu.md)")
         return out + list(self.notes)
 
@@ -151,22 +156,23 @@ def device_train_terms(device: str, *args, **kwargs) -> dict:
 
 def sampler_phase(
     cfg, mesh, merged: bool, precision, prompts, samples, prompt_len, new_tokens, kv_cache,
-    tpu: bool = False,
+    device: str = "h100",
 ) -> dict[str, float]:  # fmt: skip
-    """Per-device bytes of one sampler call of the policy `cfg` in `precision` (a collection or
-    held-out eval): its weights, KV cache and temporaries. `merged` (LoRA): one program merges
-    base + adapters straight into the sampler's format and layout (lora_policy.merged; its
-    temporaries, at most one float32 matrix in XLA's count, are gone before the KV cache
-    exists). Else sampler.sample_layout's gather (fsdp > 1), then precision.prepare_params:
-    `sampler.prepare` rebinds its params to the cast copy, so a gather cast to another format
-    is freed before the KV cache exists, and the phase is max(gather + copy, copy + KV cache +
-    temporaries); float32 samples from the gather itself, held throughout."""
+    """Per-device bytes of one sampler call of the policy `cfg` in `precision` on `device` (a
+    key of presets.HBM; a collection or held-out eval): its weights, KV cache and
+    temporaries. `merged` (LoRA): one program merges base + adapters straight into the
+    sampler's format and layout (lora_policy.merged; its temporaries, at most one float32
+    matrix in XLA's count, are gone before the KV cache exists). Else sampler.sample_layout's
+    gather (fsdp > 1), then precision.prepare_params: `sampler.prepare` rebinds its params to
+    the cast copy, so a gather cast to another format is freed before the KV cache exists,
+    and the phase is max(gather + copy, copy + KV cache + temporaries); float32 samples from
+    the gather itself, held throughout."""
     from ess_jax.sampling.precision import sample_config
 
     args = (sample_config(cfg, precision), mesh, prompts, samples, prompt_len, new_tokens,
             precision, kv_cache)  # fmt: skip
-    if tpu:  # the largest program: the last decode segment, or the prefill
-        terms = tpu_terms.sampler_terms(*args)
+    if tpu_terms.is_tpu(device):  # the largest program: the last decode segment, or the prefill
+        terms = tpu_terms.sampler_terms(*args, device=device)
         prefill = terms["prefill"] + terms["prefill_cache"] - terms["kv_cache"]
         terms["prefill"] = max(prefill, 0.0)
     else:
@@ -258,14 +264,14 @@ def plan(
             continue
         merged = bool(rank) and mcfg is policy_cfg
         phases[name] = sampler_phase(
-            mcfg, amesh, merged, precision, prompts, n, prompt_len, r.max_new_tokens, kv, tpu
+            mcfg, amesh, merged, precision, prompts, n, prompt_len, r.max_new_tokens, kv, device
         )
     e = config.eval
     if e.every:  # rl/heldout.py: the policy in eval.precision, its KV cache in eval's own
         precision = e.get("precision", "float32")
         phases["eval"] = sampler_phase(
             policy_cfg, amesh, bool(rank), precision, e.batch_size, e.k, prompt_len,
-            e.max_new_tokens, e.get("kv_cache_precision", "compute"), tpu,
+            e.max_new_tokens, e.get("kv_cache_precision", "compute"), device,
         )  # fmt: skip
     # the TPU compiler's train -> sample move (tpu_terms.reshard_buffers); the two layouts
     # differ in the FSDP sharding only, so with fsdp 1 nothing moves (sampler.sample_layout)

@@ -172,8 +172,9 @@ def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, ne
         return weights(compiled), toks, mask, jax.random.key(0), *scalars
 
     args = (scfg, amesh, prompts, n, width, new, precision, kv)
-    tpu = tpu_terms.is_tpu(device_of(mesh))
-    terms = tpu_terms.sampler_terms(*args) if tpu else planner.sampler_terms(*args)
+    device = device_of(mesh)
+    tpu = tpu_terms.is_tpu(device)
+    terms = tpu_terms.sampler_terms(*args, device=device) if tpu else planner.sampler_terms(*args)
     cache = terms["prefill_cache"] if tpu else terms["kv_cache"]
     out = [Program(f"{prefix}/prefill", prefill, prefill_args,
                    w_bytes + cache + terms["prefill"], beside)]  # fmt: skip
@@ -193,7 +194,7 @@ def sampler_programs(prefix, cfg, weights, w_bytes, mesh, prompts, n, prompt, ne
     previous = 1  # the prefill draws the first token
     for bound, segment in zip(dec.bounds, dec.segments):
         if tpu:
-            terms = tpu_terms.sampler_terms(*args, bound=bound)
+            terms = tpu_terms.sampler_terms(*args, bound=bound, device=device)
         out.append(
             Program(f"{prefix}/decode{bound}", segment, state_for(bound),
                     w_bytes + terms["kv_cache"] + terms["decode"], beside, bound - previous)

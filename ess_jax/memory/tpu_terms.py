@@ -24,6 +24,9 @@ peak live set in its `*live-range.txt`):
     layer's keys per device, a quantized sampler's q and o projections are dequantised to
     bfloat16 in buffers of their own (heads whole on the device), and a float32 one-row
     segment copies every layer's keys;
+  - tpu7x's compiler (RELAID_WHOLE) relays out every 16-bit weight for a decode segment, the
+    embedding table included, not the q / k / v projections only, and makes float32
+    weights' bfloat16 copy at one row per device too;
   - with the vocabulary split over "tensor", the sampler's programs hold the whole embedding
     table once (`lookup_table`), but a single prompt's prefill holds none of it without
     FSDP and a 16-bit copy with it (`prefill_lookup`);
@@ -75,6 +78,21 @@ FITTED = ("v5e", "v5p")
 # printed). v4's E5 step, 0.87x, is not v4's (on v5p with v4-8's mesh and micro-batches:
 # 0.85x), so v4 plans print none.
 EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E5 on tpu7x-8", 2.13)}
+# Why tpu7x's steps are over their plans, read off the buffer dumps of E5's first 4 and 8
+# layers there (10.85 and 16.87 GB, 1.20x and 1.56x their plans): the compiler turns each FSDP
+# all-gather and its projection into a collective matmul, a loop over the weight shards that
+# writes into an output buffer of its own (an `AllocateBuffer`), and the latency-hiding
+# scheduler allocates every such buffer at the start of the forward, so every layer's q, k,
+# v, gate and up outputs are live at once (0.89 GB a layer at E5's 17408 tokens per device:
+# 7.13 GB of the 8 layers' 12.21 GB live peak). Without collective matmuls (these libtpu
+# flags, LIBTPU_INIT_ARGS) the peak is back in one layer's backward and the step is near its
+# plan, the ratio a plan on that generation prints beside the default's (results/tpu; the
+# compiler's speed estimate is negative on tpu7x, so what the flags cost in time is unknown):
+NO_COLLECTIVE_MATMUL = (
+    "--xla_tpu_all_gather_collective_matmul_mode=none"
+    " --xla_tpu_reduce_scatter_collective_matmul_mode=none"
+)
+WITHOUT_COLLECTIVE_MATMUL = {"tpu7x": 1.04}  # E5 on tpu7x-8: 24.42 GB against 49.73
 # From this FSDP size (8-way weight all-gathers) the compiler undoes jax.checkpoint's remat
 # (model.remat without model.remat_ordered): E3's RL step (4 rows per device) with tpu7x-8's
 # mesh (fsdp 8) on v5p:2x2x2 grows by 2.5 GB a layer (first 4 layers 17.7 GB, 8 layers 27.6,
@@ -94,6 +112,15 @@ UNORDERED_FSDP_8_STEPS = (
 # their names): 25.2 MB compiles the first way, 33.6 MB (= 32 MiB) and more the second, in
 # float32 at one row as in bfloat16 at 4 to 16.
 LARGE_CACHE_BYTES = 32 * 2**20
+# The generations whose compiler lays every 16-bit weight out anew in a decode segment, the
+# embedding table included (a second copy of the sample-layout model), and gives float32
+# weights their bfloat16 copy at one row per device too (`hoisted_weights`). Read off tpu7x's
+# buffer dump of E3's bfloat16 decode512 segment on tpu7x-8 (`*live-range.txt`): its peak
+# holds 8.0 GB of relaid weights (251 SparseCore data-format calls and copies: every block
+# matrix and the 0.78 GB table), where v5p's relays the q / k / v projections only (1.13 GB);
+# E5's float32 eval segments at one row there are 6.6 GB over the k / v relayout (the
+# bfloat16 block matrices: 7.27 GB, less that relayout's 0.76).
+RELAID_WHOLE = ("tpu7x",)
 # Memory that memory_analysis does not count (the cores' VMEM): a reshard of fewer bytes than
 # this gathers into it (a 65 MB model: no temporaries), a larger one into HBM (Qwen3-4B).
 VMEM_BYTES = 128 * 2**20
@@ -121,14 +148,18 @@ def reshard_buffers(cfg, mesh) -> float:
     return float(full) if full > VMEM_BYTES else 0.0
 
 
-def hoisted_weights(cfg, mesh, precision: str, rows: float, positions: int, kv_cache: str) -> float:
+def hoisted_weights(
+    cfg, mesh, precision: str, rows: float, positions: int, kv_cache: str, device: str = "v5p"
+) -> float:
     """Per-device bytes of the weights (and cache) the TPU compiler copies in a decode segment
-    of `rows` rows per device and `positions` cache positions (module docstring):
+    of `rows` rows per device and `positions` cache positions on `device` (module docstring):
       - float32 weights, 2 or more rows: a bfloat16 copy of every block matrix, hoisted out of
         the loop; one row: no copy (the products read float32), every layer's k and v
         projections relaid out in float32 instead and, with a large cache (`large_cache`),
-        a second copy of every layer's keys;
-      - 16-bit weights: every layer's q / k / v projections relaid out;
+        a second copy of every layer's keys; on RELAID_WHOLE's generations the bfloat16 copy
+        at one row too, with that key copy;
+      - 16-bit weights: every layer's q / k / v projections relaid out; on RELAID_WHOLE's
+        generations every param (the block matrices and the embedding table);
       - quantized formats: the same, and with a large cache and the heads whole on each device
         (tensor 1) every layer's q and o projections dequantised to bfloat16 in buffers of
         their own (with the heads split over tensor 4 the compiler makes none)."""
@@ -136,13 +167,18 @@ def hoisted_weights(cfg, mesh, precision: str, rows: float, positions: int, kv_c
     n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
     d, k, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
     keys = rows * n_kv * k * positions * terms.kv_bytes_per_element(cfg, kv_cache)  # a layer's
+    whole = device in RELAID_WHOLE
+    bf16 = np.dtype("bfloat16")
     if precision == "float32":
+        key_copy = layers * keys if large_cache(keys) else 0.0
         if rows >= 2:
-            return float(terms.block_bytes(cfg, mesh, np.dtype("bfloat16"), "sample"))
-        return layers * (d * 2 * n_kv * k * 4 + (keys if large_cache(keys) else 0.0))
+            return float(terms.block_bytes(cfg, mesh, bf16, "sample"))
+        if whole:
+            return terms.block_bytes(cfg, mesh, bf16, "sample") + key_copy
+        return layers * d * 2 * n_kv * k * 4 + key_copy
     relaid = layers * d * (h + 2 * n_kv) * k * 2
     if precision in ("bfloat16", "float16"):
-        return float(relaid)
+        return float(terms.param_bytes(cfg, mesh, "sample", bf16) if whole else relaid)
     dequantised = large_cache(keys) and h == cfg.num_heads  # the heads whole on the device
     return relaid + (layers * 2 * d * h * k * 2 if dequantised else 0.0)
 
@@ -163,11 +199,12 @@ def sampler_terms(
     precision: str,
     kv_cache: str = "compute",
     bound: int | None = None,
+    device: str = "v5p",
 ) -> dict[str, float]:
-    """terms.sampler_terms on a TPU, per device: `kv_cache` at the decode segment's `bound`
-    (default: the last, new_tokens), `prefill_cache` the prefill's output (the first
-    segment's), `prefill` and `decode` the temporaries of the prefill and of that segment.
-    `cfg.dtype` is the sampler's compute dtype."""
+    """terms.sampler_terms on a TPU (`device`, a TPU generation), per device: `kv_cache` at
+    the decode segment's `bound` (default: the last, new_tokens), `prefill_cache` the
+    prefill's output (the first segment's), `prefill` and `decode` the temporaries of the
+    prefill and of that segment. `cfg.dtype` is the sampler's compute dtype."""
     bound = new_tokens if bound is None else bound
     rows, uniq = prompts * samples, terms.batch_split(prompts, mesh)
     n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
@@ -184,7 +221,8 @@ def sampler_terms(
         + k["prefill_mlp"] * uniq * prompt_len * f * b
     )
     lookup = lookup_table(cfg, mesh, precision)
-    decode = draw + hoisted_weights(cfg, mesh, precision, per_device, s, kv_cache) + lookup
+    hoisted = hoisted_weights(cfg, mesh, precision, per_device, s, kv_cache, device)
+    decode = draw + hoisted + lookup
     if terms.kv_bytes_per_element(cfg, kv_cache) < 4:  # one layer's K and V read as float32
         decode += 2 * per_device * n_kv * s * cfg.head_dim * 4
     return {
