@@ -78,21 +78,26 @@ FITTED = ("v5e", "v5p")
 # printed). v4's E5 step, 0.87x, is not v4's (on v5p with v4-8's mesh and micro-batches:
 # 0.85x), so v4 plans print none.
 EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E5 on tpu7x-8", 2.13)}
-# Why tpu7x's steps are over their plans, read off the buffer dumps of E5's first 4 and 8
-# layers there (10.85 and 16.87 GB, 1.20x and 1.56x their plans): the compiler turns each FSDP
+# Why tpu7x's steps are over their plans, read off the buffer dumps of E5's first 4 and 8 layers
+# on tpu7x (10.85 and 16.87 GB, 1.20x and 1.56x their plans): the compiler turns each FSDP
 # all-gather and its projection into a collective matmul, a loop over the weight shards that
-# writes into an output buffer of its own (an `AllocateBuffer`), and the latency-hiding
-# scheduler allocates every such buffer at the start of the forward, so every layer's q, k,
-# v, gate and up outputs are live at once (0.89 GB a layer at E5's 17408 tokens per device:
-# 7.13 GB of the 8 layers' 12.21 GB live peak). Without collective matmuls (these libtpu
-# flags, LIBTPU_INIT_ARGS) the peak is back in one layer's backward and the step is near its
-# plan, the ratio a plan on that generation prints beside the default's (results/tpu; the
-# compiler's speed estimate is negative on tpu7x, so what the flags cost in time is unknown):
+# writes into an output buffer of its own (an `AllocateBuffer`), and the latency-hiding scheduler
+# allocates every such buffer at the start of the forward, so every layer's q, k, v, gate and up
+# outputs are live at once (0.89 GB a layer at E5's 17408 tokens per device: 7.13 GB of the 8
+# layers' 12.21 GB live peak). Without collective matmuls (these libtpu flags, LIBTPU_INIT_ARGS)
+# the peak is back in one layer's backward and the step is near its plan, the ratio a plan on that
+# generation prints beside the default's (results/tpu; the compiler's time estimates are negative
+# on v6e and tpu7x, so what the flags cost in time is unknown). v6e's excess goes the same way
+# (E3's step there without them: 0.95x; its dump is not read for the buffers). TPU_COEF is fitted
+# to v5e's and v5p's steps compiled with libtpu's defaults.
 NO_COLLECTIVE_MATMUL = (
     "--xla_tpu_all_gather_collective_matmul_mode=none"
     " --xla_tpu_reduce_scatter_collective_matmul_mode=none"
 )
-WITHOUT_COLLECTIVE_MATMUL = {"tpu7x": 1.04}  # E5 on tpu7x-8: 24.42 GB against 49.73
+WITHOUT_COLLECTIVE_MATMUL = {
+    "v6e": 0.95,  # E3 on v6e-8: 17.91 GB against 26.32
+    "tpu7x": 1.04,  # E5 on tpu7x-8: 24.42 GB against 49.73
+}
 # From this FSDP size (8-way weight all-gathers) the compiler undoes jax.checkpoint's remat
 # (model.remat without model.remat_ordered): E3's RL step (4 rows per device) with tpu7x-8's
 # mesh (fsdp 8) on v5p:2x2x2 grows by 2.5 GB a layer (first 4 layers 17.7 GB, 8 layers 27.6,
