@@ -56,6 +56,7 @@ MISSES = {
     f"{E5X}__4_layers.json": {"rl_step": (-0.22, -0.12)},
     f"{E5X}__8_layers.json": {"rl_step": (-0.41, -0.31)},
     f"{E5X}__8_layers__no_collective_matmul.json": {"rl_step": (-0.18, -0.08)},
+    f"{E5X}__8_layers__no_collective_matmul__knob.json": {"rl_step": (-0.18, -0.08)},
     f"{MESH8}.json": {"rl_step": (0.12, 0.22)},
     f"{MESH8}__8_layers.json": {"rl_step": (0.12, 0.22)},
     "e3_temperature_1p2__p3o__v5p-16__fsdp4_data2__rl_step__8_layers__remat_unordered.json": {
@@ -119,7 +120,14 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
         assert ("model.remat_ordered=False" in (rec.get("set") or [])) == ("unordered" in file)
         flags = rec.get("libtpu_init_args")
         assert (flags == "--xla_tpu_enable_latency_hiding_scheduler=false") == ("no_lhs" in file)
-        assert (flags == tpu_terms.NO_COLLECTIVE_MATMUL) == ("no_collective_matmul" in file)
+        off = flags == tpu_terms.NO_COLLECTIVE_MATMUL
+        off |= "model.collective_matmul=none" in (rec.get("set") or [])
+        assert off == ("no_collective_matmul" in file), file
+    # the knob compiles the same step as the process-wide flags, byte for byte
+    knob, flags = (by_file[f"{E5X}__8_layers__no_collective_matmul{s}.json"] for s in ("__knob", ""))
+    assert knob["set"] == ["model.collective_matmul=none"] and "libtpu_init_args" not in knob
+    (a,), (b,) = knob["programs"].values(), flags["programs"].values()
+    assert {**a, "compile_seconds": 0} == {**b, "compile_seconds": 0}
     monkeypatch.chdir(ROOT)
     for rec in records:
         assert compile_tpu.replan(rec) == rec, (rec["config"], rec["topology"])
@@ -142,16 +150,17 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # Qwen2.5-1.5B's widths on v5e:2x4 and Qwen3-4B's untied, E7 on v5p-64, E5 with
     # micro-batches by tokens, E3's and E5's first 4 layers with einsum, the 4- and 6-layer MoE
     # slices and the whole 48-layer step, E5 on v4-8 and on v5p-8 with v4-8's mesh (tensor 4,
-    # no FSDP) at v5p-8's micro-batches and at v4-8's, the splash steps of E2 on v5e-8, E5 on
+    # no FSDP) at v5p-8's micro-batches, at 2 rows per device and at v4-8's (1), the splash steps of E2 on v5e-8, E5 on
     # v5e-16 and E3 on v5p-64, E3 on v6e-8, on v5p with v6e-8's mesh, E3 and E5 on tpu7x-8
     # (remat ordered, and free: `remat_unordered`), E5's first 4 and 8 layers there and its
-    # step and 8 layers without collective matmuls, its 4 layers without the scheduler, E3's
+    # step and 8 layers without collective matmuls (the 8 twice: LIBTPU_INIT_ARGS and
+    # model.collective_matmul), its 4 layers without the scheduler, E3's
     # step on v6e-8 and on tpu7x-8 without collective matmuls,
     # E3's and E5's first 4 layers on v5p-8 with model.remat_ordered,
     # E3 on v5p with tpu7x-8's mesh (whole and its first 8 layers with model.remat_ordered;
     # with jax.checkpoint's remat whole and its first 4 and 8 layers, with and without the
     # scheduler) and with fsdp 4 x data 2 (8 layers)
-    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 38
+    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 40
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
@@ -234,7 +243,8 @@ def test_sample_phase_frees_the_gather_and_fsdp_1_moves_nothing():
     + the train state), a reshard phase on a mesh without FSDP (tensor 4 on v4-8: the layouts
     are the same, nothing moves), a plan on a TPU generation outside the fit that does not say
     it is extrapolated, a v6e or tpu7x plan without the flags that bring its step to its plan
-    (collective matmuls off: 0.95x and 1.04x, not 1.40x and 2.13x), a plan of a free remat at
+    (collective matmuls off: 0.95x and 1.04x, not 1.40x and 2.13x) or one that sets them
+    (model.collective_matmul none) and does not name their ratio first, a plan of a free remat at
     fsdp 8 (E3's compiled step 2.03x to 3.32x its plan) that does not say so, and a preset at
     fsdp 8 left with it."""
     from configs.paper import e3_temperature_1p2
@@ -257,9 +267,14 @@ def test_sample_phase_frees_the_gather_and_fsdp_1_moves_nothing():
     v6e = planner.plan(e3_temperature_1p2.get_config("p3o,v6e-8"), 8, "v6e")
     flags = tpu_terms.NO_COLLECTIVE_MATMUL
     assert "E3 on v6e-8's RL step is 1.40x its plan" in v6e.lines()[-1]
-    assert f"1.40x its plan, 0.95x with LIBTPU_INIT_ARGS='{flags}'" in v6e.lines()[-1]
-    x7 = planner.plan(e3_temperature_1p2.get_config("p3o,tpu7x-8"), 8, "tpu7x").lines()[-1]
-    assert f"2.13x its plan, 1.04x with LIBTPU_INIT_ARGS='{flags}'" in x7
+    off = "model.collective_matmul none"
+    assert f"1.40x its plan, 0.95x with {off} (LIBTPU_INIT_ARGS='{flags}')" in v6e.lines()[-1]
+    c7 = e3_temperature_1p2.get_config("p3o,tpu7x-8")
+    x7 = planner.plan(c7, 8, "tpu7x").lines()[-1]
+    assert f"2.13x its plan, 1.04x with {off} (LIBTPU_INIT_ARGS='{flags}')" in x7
+    c7.model.collective_matmul = "none"  # the knob set: its ratio first
+    x7 = planner.plan(c7, 8, "tpu7x").lines()[-1]
+    assert f"compiled with {off}, E5 on tpu7x-8's RL step is 1.04x its plan (2.13x" in x7
     assert not plan.lines()[-1].startswith("extrapolated:")
     # a free remat at fsdp 8, on any TPU, ends with the compiled steps over their plans; an
     # ordered one (the tpu7x-8 preset's) does not, nor does fsdp 4 (v5p-8)

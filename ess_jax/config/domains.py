@@ -3,8 +3,8 @@ an interval of numbers; `Choice`, a fixed set of strings; `Free`, a string witho
 with what checks it; `Flag`, a bool; `FreeForm`, a mapping whose keys a config chooses), the
 common intervals, and the named sets of choices that other layers import (`PRECISIONS`,
 `KV_CACHE_PRECISIONS`, `ATTENTION_IMPLS`, `ESS_SCOPES`, `TRAIN_MODES`, `ASYNC_ROLES`,
-`LORA_BASE_PRECISIONS`, `MODEL_DTYPES`, `LR_SCHEDULES`, `ADVANTAGE_MODES`, the objective's) and
-`LORA_TARGETS`.
+`LORA_BASE_PRECISIONS`, `COLLECTIVE_MATMULS`, `MODEL_DTYPES`, `LR_SCHEDULES`,
+`ADVANTAGE_MODES`, the objective's) and `LORA_TARGETS`.
 
 Every kind answers `contains(value)` and `describe()` (what a refusal says the value must be).
 The field records that use them are fields.py's and objective_fields.py's.
@@ -169,6 +169,10 @@ ROUTING_REPLAYS = ("none", "sampler")
 # block as dense contractions over every expert ("dense", any backend) or megablox's grouped
 # matmul over each token's top-k ("grouped", a TPU kernel, checked in experiment.validate).
 MOE_IMPLS = ("dense", "grouped")
+
+# model.collective_matmul (meanings: ess_jax/parallel/sharding.py `compiler_options`): libtpu's
+# collective matmuls of the train mesh's programs as its compiler chooses ("auto") or none.
+COLLECTIVE_MATMULS = ("auto", "none")
 
 # train.mode (meanings: ess_jax/rl/actor_learner.py).
 TRAIN_MODES = ("sync", "async")

@@ -20,6 +20,7 @@ from ess_jax.config.domains import (
     ADVANTAGE_MODES,
     ASYNC_ROLES,
     ATTENTION_IMPLS,
+    COLLECTIVE_MATMULS,
     DECODE_ATTENTIONS,
     FLAG,
     KV_CACHE_PRECISIONS,
@@ -104,6 +105,12 @@ class ModelFields:
     # model/remat.py: from fsdp 8 the TPU compiler otherwise undoes remat (docs/tpu.md)
     remat_ordered: bool = knob(
         False, FLAG, "with remat: run the backward layer by layer (recompute after the cotangent)"
+    )
+    # TPU only (parallel/sharding.py compiler_options): "none" keeps the RL / SFT steps' and the
+    # scoring passes' FSDP gathers apart from their matmuls, whose output buffers libtpu's
+    # scheduler otherwise allocates up front (v6e / tpu7x steps 1.4x / 2.1x their plan: docs/tpu.md)
+    collective_matmul: str = knob(
+        "auto", Choice(COLLECTIVE_MATMULS), "TPU: libtpu's collective matmuls (auto) or none"
     )
     # einsum | cudnn (NVIDIA GPU, bf16) | xla | splash (TPU, float32 / bf16; training and
     # scoring forwards only)

@@ -98,6 +98,7 @@ class Plan:
     resident: dict[str, float]
     phases: dict[str, dict[str, float]]
     notes: tuple[str, ...] = ()
+    collective_matmul: str = "auto"  # model.collective_matmul: which compiled ratio lines() names
 
     def phase_total(self, phase: str) -> float:
         return sum(self.resident.values()) + sum(self.phases[phase].values())
@@ -137,13 +138,7 @@ class Plan:
                 f"compiles, not {self.device}"
             )
             if self.device in tpu_terms.EXTRAPOLATED_STEPS:
-                name, ratio = tpu_terms.EXTRAPOLATED_STEPS[self.device]
-                line += f"; compiled, {name}'s RL step is {ratio:.2f}x its plan"
-                if self.device in tpu_terms.WITHOUT_COLLECTIVE_MATMUL:
-                    flagged = tpu_terms.WITHOUT_COLLECTIVE_MATMUL[self.device]
-                    line += (
-                        f", {flagged:.2f}x with LIBTPU_INIT_ARGS='{tpu_terms.NO_COLLECTIVE_MATMUL}'"
-                    )
+                line += "; " + tpu_terms.compiled_step_ratio(self.device, self.collective_matmul)
             out.append(line + " (docs/tpu.md)")
         return out + list(self.notes)
 
@@ -295,4 +290,5 @@ def plan(
         if "sample" in phases:
             phases["sample"]["params sync copy (exchange layout)"] = exchange
     note = tpu_terms.free_remat_note(cfg, amesh) if tpu else None
-    return Plan(device, sizes, resident, phases, (note,) if note else ())
+    notes = (note,) if note else ()
+    return Plan(device, sizes, resident, phases, notes, cfg.collective_matmul)

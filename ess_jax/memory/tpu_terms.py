@@ -41,6 +41,7 @@ import numpy as np
 
 from ess_jax.config.presets import CHIPS
 from ess_jax.memory import terms
+from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.sampling.decode import decode_bounds
 
 # The TPU compiler's bytes per unit of each term (module docstring), fitted to libtpu 0.0.42.1's
@@ -84,16 +85,14 @@ EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E5 on tpu7x-8", 2
 # writes into an output buffer of its own (an `AllocateBuffer`), and the latency-hiding scheduler
 # allocates every such buffer at the start of the forward, so every layer's q, k, v, gate and up
 # outputs are live at once (0.89 GB a layer at E5's 17408 tokens per device: 7.13 GB of the 8
-# layers' 12.21 GB live peak). Without collective matmuls (these libtpu flags, LIBTPU_INIT_ARGS)
+# layers' 12.21 GB live peak). Without collective matmuls (model.collective_matmul "none": these
+# libtpu flags as the train programs' compiler_options, or the whole process's LIBTPU_INIT_ARGS)
 # the peak is back in one layer's backward and the step is near its plan, the ratio a plan on that
-# generation prints beside the default's (results/tpu; the compiler's time estimates are negative
-# on v6e and tpu7x, so what the flags cost in time is unknown). v6e's excess goes the same way
-# (E3's step there without them: 0.95x; its dump is not read for the buffers). TPU_COEF is fitted
-# to v5e's and v5p's steps compiled with libtpu's defaults.
-NO_COLLECTIVE_MATMUL = (
-    "--xla_tpu_all_gather_collective_matmul_mode=none"
-    " --xla_tpu_reduce_scatter_collective_matmul_mode=none"
-)
+# generation prints (results/tpu; the compiler's time estimates are negative on v6e and tpu7x, so
+# what the flags cost in time is unknown). v6e's excess goes the same way (E3's step there
+# without them: 0.95x; its dump is not read for the buffers). TPU_COEF is fitted to v5e's and
+# v5p's steps compiled with libtpu's defaults.
+NO_COLLECTIVE_MATMUL = " ".join(f"--{k}={v}" for k, v in sharding_lib.NO_COLLECTIVE_MATMUL.items())
 WITHOUT_COLLECTIVE_MATMUL = {
     "v6e": 0.95,  # E3 on v6e-8: 17.91 GB against 26.32
     "tpu7x": 1.04,  # E5 on tpu7x-8: 24.42 GB against 49.73 (E3's: 24.14 against 36.10, 0.93x)
@@ -129,6 +128,25 @@ RELAID_WHOLE = ("tpu7x",)
 # Memory that memory_analysis does not count (the cores' VMEM): a reshard of fewer bytes than
 # this gathers into it (a 65 MB model: no temporaries), a larger one into HBM (Qwen3-4B).
 VMEM_BYTES = 128 * 2**20
+
+
+def compiled_step_ratio(device: str, collective_matmul: str) -> str:
+    """What a plan on an extrapolated generation (a key of EXTRAPOLATED_STEPS) says of its RL
+    step: the held-out step compiled there over its plan, under model.collective_matmul, and
+    the other setting's ratio where both are compiled."""
+    name, ratio = EXTRAPOLATED_STEPS[device]
+    off = WITHOUT_COLLECTIVE_MATMUL.get(device)
+    if off is None:
+        return f"compiled, {name}'s RL step is {ratio:.2f}x its plan"
+    if collective_matmul == "none":
+        return (
+            f"compiled with model.collective_matmul none, {name}'s RL step is {off:.2f}x its "
+            f"plan ({ratio:.2f}x with libtpu's collective matmuls)"
+        )
+    return (
+        f"compiled, {name}'s RL step is {ratio:.2f}x its plan, {off:.2f}x with "
+        f"model.collective_matmul none (LIBTPU_INIT_ARGS='{NO_COLLECTIVE_MATMUL}')"
+    )
 
 
 def is_tpu(device: str) -> bool:

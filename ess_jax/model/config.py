@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from ess_jax.config.domains import (
     ATTENTION_IMPLS,
+    COLLECTIVE_MATMULS,
     DECODE_ATTENTIONS,
     LORA_BASE_PRECISIONS,
     MOE_IMPLS,
@@ -51,6 +52,10 @@ class ModelConfig:
     # with remat: each layer's recompute waits for its output cotangent, and its input
     # cotangent for its weight gradient (remat.py); else jax.checkpoint, which XLA may reorder
     remat_ordered: bool = False
+    # the train mesh's programs (RL / SFT step, scoring passes) on a TPU: libtpu's collective
+    # matmuls as its compiler chooses ("auto") or none ("none": parallel/sharding.py
+    # compiler_options); no effect on other backends
+    collective_matmul: str = "auto"
     # attention of the several-query forwards (training, the prefill; decode steps take
     # `decode_attention`'s one-query path): "einsum" (layers.attention, any backend), "cudnn"
     # (jax.nn.dot_product_attention's fused kernel: NVIDIA GPUs, bf16), "xla" (jax's
@@ -125,6 +130,11 @@ class ModelConfig:
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(
                 f"ModelConfig.moe_impl: unknown {self.moe_impl!r}; one of {', '.join(MOE_IMPLS)}"
+            )
+        if self.collective_matmul not in COLLECTIVE_MATMULS:
+            raise ValueError(
+                f"ModelConfig.collective_matmul: unknown {self.collective_matmul!r}; "
+                f"one of {', '.join(COLLECTIVE_MATMULS)}"
             )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(

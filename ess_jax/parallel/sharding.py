@@ -222,6 +222,28 @@ def under_mesh(fn, mesh: Mesh):
     return wrapped
 
 
+# libtpu's flags that keep each FSDP all-gather (reduce-scatter) apart from the matmul that reads
+# (writes) it. By default ("auto") libtpu's compiler fuses the two into a collective matmul, a
+# loop over the weight shards writing into an output buffer of its own, and on v6e and tpu7x its
+# latency-hiding scheduler allocates those buffers at the start of the forward, every layer's at
+# once: E5's RL step on tpu7x-8 compiles to 49.73 GB per device with them, 24.42 without; E3's
+# on v6e-8 to 26.32 and 17.91 (docs/tpu.md). What they save in time needs a TPU to measure.
+NO_COLLECTIVE_MATMUL = {
+    "xla_tpu_all_gather_collective_matmul_mode": "none",
+    "xla_tpu_reduce_scatter_collective_matmul_mode": "none",
+}
+
+
+def compiler_options(collective_matmul: str, mesh: Mesh) -> dict[str, str] | None:
+    """`jax.jit`'s compiler_options for a train-mesh program under model.collective_matmul:
+    NO_COLLECTIVE_MATMUL for "none" on TPU devices (a real slice or a libtpu topology's), else
+    None: the flags are libtpu's, and XLA:CPU and XLA:GPU refuse them ("No such compile
+    option"), so elsewhere the knob changes nothing."""
+    if collective_matmul == "none" and mesh.devices.flat[0].platform == "tpu":
+        return dict(NO_COLLECTIVE_MATMUL)
+    return None
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     """Leading (batch) dim over every data-parallel axis, the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH, *([None] * (ndim - 1))))
