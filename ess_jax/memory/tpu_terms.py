@@ -92,8 +92,8 @@ EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E5 on tpu7x-8", 2
 # what the flags cost in time is unknown). v6e's excess goes the same way (E3's step there
 # without them: 0.95x), by another mechanism: its dump holds 7 layers' feed-forward activations
 # and bfloat16 pairs of weight shards (the collective matmuls' pieces, by their shapes) in a
-# widened backward loop, live peak 20.40 GB against 11.30 without them (docs/tpu.md). TPU_COEF is fitted to v5e's and v5p's steps
-# compiled with libtpu's defaults.
+# widened backward loop, live peak 20.40 GB against 11.30 without them (docs/tpu.md). TPU_COEF
+# is fitted to v5e's and v5p's steps compiled with libtpu's defaults.
 NO_COLLECTIVE_MATMUL = " ".join(f"--{k}={v}" for k, v in sharding_lib.NO_COLLECTIVE_MATMUL.items())
 WITHOUT_COLLECTIVE_MATMUL = {
     "v6e": 0.95,  # E3 on v6e-8: 17.91 GB against 26.32
