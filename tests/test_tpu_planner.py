@@ -124,7 +124,8 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
         off |= "model.collective_matmul=none" in (rec.get("set") or [])
         assert off == ("no_collective_matmul" in file), file
     # the knob compiles the same step as the process-wide flags, byte for byte
-    knob, flags = (by_file[f"{E5X}__8_layers__no_collective_matmul{s}.json"] for s in ("__knob", ""))
+    slice8 = f"{E5X}__8_layers__no_collective_matmul"
+    knob, flags = by_file[f"{slice8}__knob.json"], by_file[f"{slice8}.json"]
     assert knob["set"] == ["model.collective_matmul=none"] and "libtpu_init_args" not in knob
     (a,), (b,) = knob["programs"].values(), flags["programs"].values()
     assert {**a, "compile_seconds": 0} == {**b, "compile_seconds": 0}
@@ -145,21 +146,20 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     from ess_jax.memory import tpu_terms
 
     rows = fit_tpu_terms.read_rows()
-    # fit: 8 dense einsum steps, the Qwen3-30B-A3B 2-layer slices at 1 and 4 rows per device
-    # and its 8-layer one, E3's and E5's splash steps on v5p-8 (4 layers and whole); held out:
+    # fit: 8 dense einsum steps, the Qwen3-30B-A3B 2-layer slices at 1 and 4 rows per device and
+    # its 8-layer one, E3's and E5's splash steps on v5p-8 (4 layers and whole); held out:
     # Qwen2.5-1.5B's widths on v5e:2x4 and Qwen3-4B's untied, E7 on v5p-64, E5 with
     # micro-batches by tokens, E3's and E5's first 4 layers with einsum, the 4- and 6-layer MoE
-    # slices and the whole 48-layer step, E5 on v4-8 and on v5p-8 with v4-8's mesh (tensor 4,
-    # no FSDP) at v5p-8's micro-batches, at 2 rows per device and at v4-8's (1), the splash steps of E2 on v5e-8, E5 on
-    # v5e-16 and E3 on v5p-64, E3 on v6e-8, on v5p with v6e-8's mesh, E3 and E5 on tpu7x-8
-    # (remat ordered, and free: `remat_unordered`), E5's first 4 and 8 layers there and its
-    # step and 8 layers without collective matmuls (the 8 twice: LIBTPU_INIT_ARGS and
-    # model.collective_matmul), its 4 layers without the scheduler, E3's
-    # step on v6e-8 and on tpu7x-8 without collective matmuls,
-    # E3's and E5's first 4 layers on v5p-8 with model.remat_ordered,
-    # E3 on v5p with tpu7x-8's mesh (whole and its first 8 layers with model.remat_ordered;
-    # with jax.checkpoint's remat whole and its first 4 and 8 layers, with and without the
-    # scheduler) and with fsdp 4 x data 2 (8 layers)
+    # slices and the whole 48-layer step, E5 on v4-8 and on v5p-8 with v4-8's mesh (tensor 4, no
+    # FSDP) at v5p-8's micro-batches, at 2 rows per device and at v4-8's (1), the splash steps
+    # of E2 on v5e-8, E5 on v5e-16 and E3 on v5p-64, E3 on v6e-8, on v5p with v6e-8's mesh, E3
+    # and E5 on tpu7x-8 (remat ordered, and free: `remat_unordered`), E5's first 4 and 8 layers
+    # there and its step and 8 layers without collective matmuls (the 8 twice: LIBTPU_INIT_ARGS
+    # and model.collective_matmul), its 4 layers without the scheduler, E3's step on v6e-8 and
+    # on tpu7x-8 without collective matmuls, E3's and E5's first 4 layers on v5p-8 with
+    # model.remat_ordered, E3 on v5p with tpu7x-8's mesh (whole and its first 8 layers with
+    # model.remat_ordered; with jax.checkpoint's remat whole and its first 4 and 8 layers, with
+    # and without the scheduler) and with fsdp 4 x data 2 (8 layers)
     assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 40
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
