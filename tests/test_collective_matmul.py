@@ -95,7 +95,7 @@ def test_the_flags_remove_tpu7x_collective_matmul_buffer():
     def arg(shape, spec):
         return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
 
-    args = (arg((8 * 4096, 4096), P("fsdp", None)), arg((4096, 16384), P("fsdp", None)))
+    args = (arg((8 * 8192, 4096), P("fsdp", None)), arg((4096, 2048), P("fsdp", None)))
     out = {}
     for setting in ("auto", "none"):
         options = sharding_lib.compiler_options(setting, mesh)
