@@ -7,6 +7,7 @@ phases. Plans and reads records only: nothing compiles.
 import dataclasses
 import glob
 import os
+import re
 import sys
 
 import numpy as np
@@ -57,6 +58,8 @@ MISSES = {
     f"{E5X}__8_layers.json": {"rl_step": (-0.41, -0.31)},
     f"{E5X}__8_layers__no_collective_matmul.json": {"rl_step": (-0.18, -0.08)},
     f"{E5X}__8_layers__no_collective_matmul__knob.json": {"rl_step": (-0.18, -0.08)},
+    f"{E5X}__8_layers__scheduler_limit_13.json": {"rl_step": (-0.20, -0.15)},
+    f"{E5X}__scheduler_limit_25.json": {"rl_step": (-0.17, -0.12)},
     f"{MESH8}.json": {"rl_step": (0.12, 0.22)},
     f"{MESH8}__8_layers.json": {"rl_step": (0.12, 0.22)},
     "e3_temperature_1p2__p3o__v5p-16__fsdp4_data2__rl_step__8_layers__remat_unordered.json": {
@@ -111,6 +114,9 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
         "v6e": ratio("e3_temperature_1p2__p3o__v6e-8__rl_step__no_collective_matmul.json"),
         "tpu7x": ratio(f"{E5X}__no_collective_matmul.json"),
     }
+    assert tpu_terms.SCHEDULER_LIMITED == {
+        "tpu7x": (25, ratio(f"{E5X}__scheduler_limit_25.json")),
+    }
     assert tpu_terms.UNORDERED_FSDP_8_STEPS == (
         ("E3 on tpu7x-8", ratio("e3_temperature_1p2__p3o__tpu7x-8__remat_unordered.json")),
         ("E5 on tpu7x-8", ratio("e5_fp8__p3o__tpu7x-8__remat_unordered.json")),
@@ -120,6 +126,8 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
         assert ("model.remat_ordered=False" in (rec.get("set") or [])) == ("unordered" in file)
         flags = rec.get("libtpu_init_args")
         assert (flags == "--xla_tpu_enable_latency_hiding_scheduler=false") == ("no_lhs" in file)
+        limit = re.search(r"scheduler_limit_(\d+)", file)
+        assert flags == f"{tpu_terms.SCHEDULER_LIMIT}={limit[1]}" if limit else True, file
         off = flags == tpu_terms.NO_COLLECTIVE_MATMUL
         off |= "model.collective_matmul=none" in (rec.get("set") or [])
         assert off == ("no_collective_matmul" in file), file
@@ -155,12 +163,13 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # of E2 on v5e-8, E5 on v5e-16 and E3 on v5p-64, E3 on v6e-8, on v5p with v6e-8's mesh, E3
     # and E5 on tpu7x-8 (remat ordered, and free: `remat_unordered`), E5's first 4 and 8 layers
     # there and its step and 8 layers without collective matmuls (the 8 twice: LIBTPU_INIT_ARGS
-    # and model.collective_matmul), its 4 layers without the scheduler, E3's step on v6e-8 and
-    # on tpu7x-8 without collective matmuls, E3's and E5's first 4 layers on v5p-8 with
-    # model.remat_ordered, E3 on v5p with tpu7x-8's mesh (whole and its first 8 layers with
-    # model.remat_ordered; with jax.checkpoint's remat whole and its first 4 and 8 layers, with
-    # and without the scheduler) and with fsdp 4 x data 2 (8 layers)
-    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 40
+    # and model.collective_matmul) and under the scheduler's memory limit at 13% (the whole step
+    # at 25%), its 4 layers without the scheduler, E3's step on v6e-8 and on tpu7x-8 without
+    # collective matmuls, E3's and E5's first 4 layers on v5p-8 with model.remat_ordered, E3 on
+    # v5p with tpu7x-8's mesh (whole and its first 8 layers with model.remat_ordered; with
+    # jax.checkpoint's remat whole and its first 4 and 8 layers, with and without the scheduler)
+    # and with fsdp 4 x data 2 (8 layers)
+    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 42
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
@@ -275,6 +284,7 @@ def test_sample_phase_frees_the_gather_and_fsdp_1_moves_nothing():
     c7.model.collective_matmul = "none"  # the knob set: its ratio first
     x7 = planner.plan(c7, 8, "tpu7x").lines()[-1]
     assert f"compiled with {off}, E5 on tpu7x-8's RL step is 1.04x its plan (2.13x" in x7
+    assert "1.17x with model.scheduler_memory_percent 25" in x7
     assert not plan.lines()[-1].startswith("extrapolated:")
     # a free remat at fsdp 8, on any TPU, ends with the compiled steps over their plans; an
     # ordered one (the tpu7x-8 preset's) does not, nor does fsdp 4 (v5p-8)

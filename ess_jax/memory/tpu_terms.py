@@ -95,6 +95,11 @@ EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E5 on tpu7x-8", 2
 # widened backward loop, live peak 20.40 GB against 11.30 without them (docs/tpu.md). TPU_COEF
 # is fitted to v5e's and v5p's steps compiled with libtpu's defaults.
 NO_COLLECTIVE_MATMUL = " ".join(f"--{k}={v}" for k, v in sharding_lib.NO_COLLECTIVE_MATMUL.items())
+SCHEDULER_LIMIT = f"--{sharding_lib.SCHEDULER_MEMORY_LIMIT}"  # =P: P% of the device's HBM
+# With the collective matmuls kept and libtpu's scheduler held under a share of HBM
+# (model.scheduler_memory_percent; libtpu's own limit is 95): E5's step on tpu7x-8 at 25% of its
+# 103.1 GB, 27.46 GB against 49.73, the same flop count (results/tpu, `scheduler_limit_25`).
+SCHEDULER_LIMITED = {"tpu7x": (25, 1.17)}  # percent, compiled over planned
 WITHOUT_COLLECTIVE_MATMUL = {
     "v6e": 0.95,  # E3 on v6e-8: 17.91 GB against 26.32
     "tpu7x": 1.04,  # E5 on tpu7x-8: 24.42 GB against 49.73 (E3's: 24.14 against 36.10, 0.93x)
@@ -140,14 +145,18 @@ def compiled_step_ratio(device: str, collective_matmul: str) -> str:
     off = WITHOUT_COLLECTIVE_MATMUL.get(device)
     if off is None:
         return f"compiled, {name}'s RL step is {ratio:.2f}x its plan"
+    limited = ""
+    if device in SCHEDULER_LIMITED:
+        percent, bounded = SCHEDULER_LIMITED[device]
+        limited = f", {bounded:.2f}x with model.scheduler_memory_percent {percent}"
     if collective_matmul == "none":
         return (
             f"compiled with model.collective_matmul none, {name}'s RL step is {off:.2f}x its "
-            f"plan ({ratio:.2f}x with libtpu's collective matmuls)"
+            f"plan ({ratio:.2f}x with libtpu's collective matmuls{limited})"
         )
     return (
         f"compiled, {name}'s RL step is {ratio:.2f}x its plan, {off:.2f}x with "
-        f"model.collective_matmul none (LIBTPU_INIT_ARGS='{NO_COLLECTIVE_MATMUL}')"
+        f"model.collective_matmul none (LIBTPU_INIT_ARGS='{NO_COLLECTIVE_MATMUL}'){limited}"
     )
 
 

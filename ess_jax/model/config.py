@@ -56,6 +56,9 @@ class ModelConfig:
     # matmuls as its compiler chooses ("auto") or none ("none": parallel/sharding.py
     # compiler_options); no effect on other backends
     collective_matmul: str = "auto"
+    # the same programs on a TPU: > 0, the percentage of the device's HBM under which libtpu's
+    # latency-hiding scheduler keeps their live buffers (parallel/sharding.py); 0: libtpu's own
+    scheduler_memory_percent: int = 0
     # attention of the several-query forwards (training, the prefill; decode steps take
     # `decode_attention`'s one-query path): "einsum" (layers.attention, any backend), "cudnn"
     # (jax.nn.dot_product_attention's fused kernel: NVIDIA GPUs, bf16), "xla" (jax's
@@ -135,6 +138,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.collective_matmul: unknown {self.collective_matmul!r}; "
                 f"one of {', '.join(COLLECTIVE_MATMULS)}"
+            )
+        if not 0 <= self.scheduler_memory_percent <= 100:
+            raise ValueError(
+                f"ModelConfig.scheduler_memory_percent {self.scheduler_memory_percent}: must be "
+                "in [0, 100] (0: libtpu's own limit)"
             )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(

@@ -233,15 +233,33 @@ NO_COLLECTIVE_MATMUL = {
     "xla_tpu_reduce_scatter_collective_matmul_mode": "none",
 }
 
+# libtpu's latency-hiding scheduler aims to keep a program's live buffers under this percentage
+# of the device's HBM (95 by default) and otherwise schedules for speed: on tpu7x it allocates
+# the collective matmuls' output buffers early while it stays under it. E5's RL step on tpu7x-8
+# compiles to 49.73 GB per device at libtpu's 95 and to 27.46 GB at 25 (of 103.1 GB: the limit
+# is 25.8), the collective matmuls kept (the same flop count) (docs/tpu.md).
+SCHEDULER_MEMORY_LIMIT = "xla_tpu_scheduler_percent_shared_memory_limit"
 
-def compiler_options(collective_matmul: str, mesh: Mesh) -> dict[str, str] | None:
-    """`jax.jit`'s compiler_options for a train-mesh program under model.collective_matmul:
-    NO_COLLECTIVE_MATMUL for "none" on TPU devices (a real slice or a libtpu topology's), else
-    None: the flags are libtpu's, and XLA:CPU and XLA:GPU refuse them ("No such compile
-    option"), so elsewhere the knob changes nothing."""
-    if collective_matmul == "none" and mesh.devices.flat[0].platform == "tpu":
-        return dict(NO_COLLECTIVE_MATMUL)
-    return None
+
+def libtpu_flags(cfg) -> dict[str, Any]:
+    """The libtpu flags of the model `cfg`'s train-mesh programs (a ModelConfig: its
+    `collective_matmul` and `scheduler_memory_percent`): NO_COLLECTIVE_MATMUL for "none",
+    SCHEDULER_MEMORY_LIMIT for a percentage > 0; empty at libtpu's defaults."""
+    flags: dict[str, Any] = {}
+    if cfg.collective_matmul == "none":
+        flags.update(NO_COLLECTIVE_MATMUL)
+    if cfg.scheduler_memory_percent:
+        flags[SCHEDULER_MEMORY_LIMIT] = int(cfg.scheduler_memory_percent)
+    return flags
+
+
+def compiler_options(cfg, mesh: Mesh) -> dict[str, Any] | None:
+    """`jax.jit`'s compiler_options for a train-mesh program of the model `cfg` on `mesh`:
+    `libtpu_flags(cfg)` on TPU devices (a real slice or a libtpu topology's), None when there
+    are none or off TPU: XLA:CPU and XLA:GPU refuse libtpu's flags ("No such compile
+    option"), so elsewhere the settings change nothing."""
+    flags = libtpu_flags(cfg)
+    return flags if flags and mesh.devices.flat[0].platform == "tpu" else None
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

@@ -177,7 +177,7 @@ def _check_checkpoint(field: str, source: str) -> None:
 
 def trainer_settings(mcfg) -> dict[str, Any]:
     """The ModelConfig fields the experiment config sets on every model, embedded or loaded:
-    compute dtype, LM-head chunk, remat (and its order), TPU collective matmuls, attention
+    compute dtype, LM-head chunk, remat (and its order), TPU compiler flags, attention
     implementation, decode attention, and an MoE model's routing replay and router-loss weight."""
     return {
         "dtype": mcfg.dtype,
@@ -185,6 +185,7 @@ def trainer_settings(mcfg) -> dict[str, Any]:
         "remat": bool(mcfg.get("remat", False)),
         "remat_ordered": bool(mcfg.get("remat_ordered", False)),
         "collective_matmul": mcfg.get("collective_matmul", "auto"),
+        "scheduler_memory_percent": int(mcfg.get("scheduler_memory_percent", 0)),
         "attention_impl": mcfg.get("attention_impl", "einsum"),
         "decode_attention": mcfg.get("decode_attention", "dense"),
         "decode_block": int(mcfg.get("decode_block", 256)),

@@ -175,7 +175,7 @@ def score_fn(cfg, prompt_len: int, mesh, num_chunks: int):
         valid = arrays["attn_mask"][:, prompt_len:].astype(bool)
         return scoring.unpack(lp_KxRxS, index, valid)
 
-    options = sharding_lib.compiler_options(cfg.collective_matmul, mesh)
+    options = sharding_lib.compiler_options(cfg, mesh)
     return jax.jit(sharding_lib.under_mesh(score, mesh), compiler_options=options)
 
 

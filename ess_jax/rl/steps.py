@@ -91,7 +91,7 @@ def make_sft_step(cfg, tx, state_sh, batch_sh, seed: int = 0):
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
         donate_argnums=0,
-        compiler_options=sharding_lib.compiler_options(cfg.collective_matmul, batch_sh.mesh),
+        compiler_options=sharding_lib.compiler_options(cfg, batch_sh.mesh),
     )
 
 
@@ -142,7 +142,7 @@ def score_fn(cfg, prompt_len, mesh, num_chunks: int):
         logp = jax.lax.map(lambda mb: logp_fn(params, mb), inputs)
         return logp.swapaxes(0, 1).reshape(-1, logp.shape[-1])
 
-    options = sharding_lib.compiler_options(cfg.collective_matmul, mesh)
+    options = sharding_lib.compiler_options(cfg, mesh)
     return jax.jit(sharding_lib.under_mesh(score, mesh), compiler_options=options)
 
 
@@ -164,5 +164,5 @@ def routing_flip_fn(cfg, prompt_len: int, mesh, num_chunks: int):
         out = jax.lax.map(lambda mb: own(params, mb), inputs)
         return out.swapaxes(0, 1).reshape(-1, *out.shape[2:])
 
-    options = sharding_lib.compiler_options(cfg.collective_matmul, mesh)
+    options = sharding_lib.compiler_options(cfg, mesh)
     return jax.jit(sharding_lib.under_mesh(flips, mesh), compiler_options=options)

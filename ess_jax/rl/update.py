@@ -269,7 +269,7 @@ def make_rl_step(ucfg: UpdateConfig, key: StepKey, state_sh, batch_sh, behaviour
         in_shardings=in_sh,
         out_shardings=(state_sh, None),
         donate_argnums=0,
-        compiler_options=sharding_lib.compiler_options(ucfg.model.collective_matmul, batch_sh.mesh),
+        compiler_options=sharding_lib.compiler_options(ucfg.model, batch_sh.mesh),
     )
 
 
