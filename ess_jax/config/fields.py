@@ -107,8 +107,8 @@ class ModelFields:
         False, FLAG, "with remat: run the backward layer by layer (recompute after the cotangent)"
     )
     # TPU only (parallel/sharding.py compiler_options): "none" keeps the RL / SFT steps' and the
-    # scoring passes' FSDP gathers apart from their matmuls, whose output buffers libtpu's
-    # scheduler otherwise allocates up front (v6e / tpu7x steps 1.4x / 2.1x their plan: docs/tpu.md)
+    # scoring passes' FSDP gathers apart from their matmuls (with them, the v6e / tpu7x steps
+    # compile to 1.4x / 2.1x their plans, without to 0.95x / 1.04x: docs/tpu.md)
     collective_matmul: str = knob(
         "auto", Choice(COLLECTIVE_MATMULS), "TPU: libtpu's collective matmuls (auto) or none"
     )

@@ -224,10 +224,11 @@ def under_mesh(fn, mesh: Mesh):
 
 # libtpu's flags that keep each FSDP all-gather (reduce-scatter) apart from the matmul that reads
 # (writes) it. By default ("auto") libtpu's compiler fuses the two into a collective matmul, a
-# loop over the weight shards writing into an output buffer of its own, and on v6e and tpu7x its
-# latency-hiding scheduler allocates those buffers at the start of the forward, every layer's at
-# once: E5's RL step on tpu7x-8 compiles to 49.73 GB per device with them, 24.42 without; E3's
-# on v6e-8 to 26.32 and 17.91 (docs/tpu.md). What they save in time needs a TPU to measure.
+# loop over the weight shards writing into an output buffer of its own; on tpu7x the
+# latency-hiding scheduler allocates those buffers early, every layer's at once, and on v6e the
+# widened backward layer loop holds the matmuls' weight-shard pieces: E5's RL step on tpu7x-8
+# compiles to 49.73 GB per device with them, 24.42 without; E3's on v6e-8 to 26.32 and 17.91
+# (docs/tpu.md). What they save in time needs a TPU to measure.
 NO_COLLECTIVE_MATMUL = {
     "xla_tpu_all_gather_collective_matmul_mode": "none",
     "xla_tpu_reduce_scatter_collective_matmul_mode": "none",
