@@ -113,7 +113,8 @@ class ModelFields:
         "auto", Choice(COLLECTIVE_MATMULS), "TPU: libtpu's collective matmuls (auto) or none"
     )
     # the same programs: libtpu's latency-hiding scheduler holds their live buffers under this
-    # share of HBM (95 by default), E5's step on tpu7x-8 49.73 GB at 95, 27.46 at 25 (docs/tpu.md)
+    # share of HBM (95 by default): E5's step on tpu7x-8 49.73 GB at 95, 27.46 at 25; E3's on
+    # v6e-8 26.32 at 95, 23.68 at 60 (docs/tpu.md)
     scheduler_memory_percent: int = knob(
         0, ints(0, hi=100), "TPU: the train programs' scheduler memory limit, % of HBM; 0: libtpu's"
     )
