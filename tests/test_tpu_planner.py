@@ -31,11 +31,12 @@ import tpu_table  # noqa: E402  (tools/tpu_table.py)
 # free remat's fit), but E3's step on tpu7x-8 -28% (model.logits_chunk 512, the preset's for a
 # bfloat16 sampler there) and E5's -53%, its first 4 and 8 layers there -17% and -36% (the
 # collective matmuls' output buffers, tpu_terms.NO_COLLECTIVE_MATMUL; without them the 8 layers
-# are -13% and the whole step -4.2%, E3's +7.5%, with the scheduler off the 4 layers -3.4%); the 8
-# layers at fsdp 4 x data 2 on the same chips (free remat) +23%. Steps without remat are planned
-# with XLA:CPU's terms: the `tiny` preset (SmolLM2-135M) on v5e:2x2, its step +25% (its prefill
-# -15%); E3's first 4 and 8 layers and E5's first 4 on v5p-8 with model.remat False, +46%, +48%
-# and +67%.
+# are -13% and the whole step -4.2%, E3's +7.5%, with the scheduler off the 4 layers -3.4%; with
+# the scheduler held to 13% and 25% of HBM, model.scheduler_memory_percent, the 8 layers -17.6%
+# and the whole step -14.8%, and E3's on v6e-8 at 60% -20.7%); the 8 layers at fsdp 4 x data 2 on
+# the same chips (free remat) +23%. Steps without remat are planned with XLA:CPU's terms: the
+# `tiny` preset (SmolLM2-135M) on v5e:2x2, its step +25% (its prefill -15%); E3's first 4 and 8
+# layers and E5's first 4 on v5p-8 with model.remat False, +46%, +48% and +67%.
 MESH8 = "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step"  # fsdp 8 on v5p
 E5X = "e5_fp8__p3o__tpu7x-8__rl_step"  # E5's step slices on tpu7x-8
 MISSES = {
@@ -129,7 +130,8 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
         flags = rec.get("libtpu_init_args")
         assert (flags == "--xla_tpu_enable_latency_hiding_scheduler=false") == ("no_lhs" in file)
         limit = re.search(r"scheduler_limit_(\d+)", file)
-        assert flags == f"{tpu_terms.SCHEDULER_LIMIT}={limit[1]}" if limit else True, file
+        assert (flags or "").startswith(tpu_terms.SCHEDULER_LIMIT) == bool(limit), file
+        assert not limit or flags == f"{tpu_terms.SCHEDULER_LIMIT}={limit[1]}", file
         off = flags == tpu_terms.NO_COLLECTIVE_MATMUL
         off |= "model.collective_matmul=none" in (rec.get("set") or [])
         assert off == ("no_collective_matmul" in file), file

@@ -168,9 +168,8 @@ def _fit(c, preset: str, min_tensor: int, expert: int = 1, rows: int | None = No
     tpu = tpu_terms.is_tpu(p.device)
     c.model.remat_ordered = tpu and c.mesh["fsdp"] >= tpu_terms.FSDP_LARGE
     # model.collective_matmul and model.scheduler_memory_percent stay libtpu's: on v6e and tpu7x
-    # the steps compile to 1.4x and 2.1x their plans, without collective matmuls to 0.95x and
-    # 1.04x, with the scheduler held to 60% / 25% of HBM to 1.26x / 1.17x, at costs in time
-    # not measured here (docs/tpu.md); a plan on those generations prints them
+    # they bring the steps nearer their plans at costs in time not measured here; a plan on
+    # those generations prints the compiled ratios each way (docs/tpu.md)
     # libtpu crashes compiling a bfloat16 sampler's prefill for tpu7x at 1024-query chunks (an
     # fp8 one compiles); at 512 it compiles, after the step too (docs/tpu.md)
     if p.device == "tpu7x" and c.rollout.precision == "bfloat16":

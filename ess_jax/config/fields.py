@@ -107,14 +107,13 @@ class ModelFields:
         False, FLAG, "with remat: run the backward layer by layer (recompute after the cotangent)"
     )
     # TPU only (parallel/sharding.py compiler_options): "none" keeps the RL / SFT steps' and the
-    # scoring passes' FSDP gathers apart from their matmuls (with them, the v6e / tpu7x steps
-    # compile to 1.4x / 2.1x their plans, without to 0.95x / 1.04x: docs/tpu.md)
+    # scoring passes' FSDP gathers apart from their matmuls (the compiled steps both ways:
+    # docs/tpu.md, memory/tpu_terms.py)
     collective_matmul: str = knob(
         "auto", Choice(COLLECTIVE_MATMULS), "TPU: libtpu's collective matmuls (auto) or none"
     )
-    # the same programs: libtpu's latency-hiding scheduler holds their live buffers under this
-    # share of HBM (95 by default): E5's step on tpu7x-8 49.73 GB at 95, 27.46 at 25; E3's on
-    # v6e-8 26.32 at 95, 23.68 at 60 (docs/tpu.md)
+    # the same programs: libtpu's latency-hiding scheduler aims to hold their live buffers under
+    # this share of HBM (95 by default; the compiled steps at lower limits: docs/tpu.md)
     scheduler_memory_percent: int = knob(
         0, ints(0, hi=100), "TPU: the train programs' scheduler memory limit, % of HBM; 0: libtpu's"
     )

@@ -141,8 +141,9 @@ VMEM_BYTES = 128 * 2**20
 
 def compiled_step_ratio(device: str, collective_matmul: str) -> str:
     """What a plan on an extrapolated generation (a key of EXTRAPOLATED_STEPS) says of its RL
-    step: the held-out step compiled there over its plan, under model.collective_matmul, and
-    the other setting's ratio where both are compiled."""
+    step: the held-out step compiled there over its plan, under model.collective_matmul first,
+    the other setting's ratio where both are compiled, and the ratio with libtpu's collective
+    matmuls under a lower scheduler memory limit (SCHEDULER_LIMITED) where one is compiled."""
     name, ratio = EXTRAPOLATED_STEPS[device]
     off = WITHOUT_COLLECTIVE_MATMUL.get(device)
     if off is None:

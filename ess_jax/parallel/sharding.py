@@ -226,9 +226,9 @@ def under_mesh(fn, mesh: Mesh):
 # (writes) it. By default ("auto") libtpu's compiler fuses the two into a collective matmul, a
 # loop over the weight shards writing into an output buffer of its own; on tpu7x the
 # latency-hiding scheduler allocates those buffers early, every layer's at once, and on v6e the
-# widened backward layer loop holds the matmuls' weight-shard pieces: E5's RL step on tpu7x-8
-# compiles to 49.73 GB per device with them, 24.42 without; E3's on v6e-8 to 26.32 and 17.91
-# (docs/tpu.md). What they save in time needs a TPU to measure.
+# widened backward layer loop holds the matmuls' weight-shard pieces. The compiled steps with and
+# without them: memory/tpu_terms.py (WITHOUT_COLLECTIVE_MATMUL), docs/tpu.md. What they save in
+# time needs a TPU to measure.
 NO_COLLECTIVE_MATMUL = {
     "xla_tpu_all_gather_collective_matmul_mode": "none",
     "xla_tpu_reduce_scatter_collective_matmul_mode": "none",
@@ -236,9 +236,8 @@ NO_COLLECTIVE_MATMUL = {
 
 # libtpu's latency-hiding scheduler aims to keep a program's live buffers under this percentage
 # of the device's HBM (95 by default) and otherwise schedules for speed: on tpu7x it allocates
-# the collective matmuls' output buffers early while it stays under it. E5's RL step on tpu7x-8
-# compiles to 49.73 GB per device at libtpu's 95 and to 27.46 GB at 25 (of 103.1 GB: the limit
-# is 25.8), the collective matmuls kept (the same flop count) (docs/tpu.md).
+# the collective matmuls' output buffers early while it stays under it. The compiled steps at a
+# lower limit: memory/tpu_terms.py (SCHEDULER_LIMITED), docs/tpu.md.
 SCHEDULER_MEMORY_LIMIT = "xla_tpu_scheduler_percent_shared_memory_limit"
 
 
