@@ -90,7 +90,9 @@ def load_planned(spec: str):
 
 @dataclasses.dataclass
 class Cell:
-    """One experiment file on one preset: the worst arm's peak, and the mesh if not the preset's."""
+    """One experiment file on one preset: the worst arm's peak (what its verdict weighs,
+    Plan.judged: on v6e and tpu7x the RL step at their compiled ratio where that is larger), and
+    the mesh if not the preset's."""
 
     peak: float
     usable: float
@@ -112,16 +114,16 @@ def paper_cells(name: str) -> dict[str, Cell]:
             with presets.planning():
                 config = mod.get_config(f"{arm},{preset_name}")
             plans[arm] = memory.plan(config, preset.num_devices, preset.device)
-        arm = max(plans, key=lambda a: plans[a].peak)
-        tie = len({round(p.peak / GB, 2) for p in plans.values()}) == 1
+        arm = max(plans, key=lambda a: plans[a].judged)
+        tie = len({round(p.judged / GB, 2) for p in plans.values()}) == 1
         worst = plans[arm]
         usable = presets.HBM[preset.device] * presets.memory_fraction(preset.device, environ={})
-        out[preset_name] = Cell(worst.peak, usable, "every arm" if tie else arm, worst.mesh)
+        out[preset_name] = Cell(worst.judged, usable, "every arm" if tie else arm, worst.mesh)
     return out
 
 
 def _cell_text(cell: Cell, preset: presets.Preset) -> str:
-    text = f"{cell.peak / GB:.0f}" if cell.fits else f"does not fit ({cell.peak / GB:.0f})"
+    text = f"{cell.peak / GB:.1f}" if cell.fits else f"does not fit ({cell.peak / GB:.1f})"
     if cell.mesh != sharding.mesh_shape(preset.mesh, preset.num_devices):  # axes left out: 1
         text += " (" + ", ".join(f"{a} {n}" for a, n in cell.mesh.items() if n != 1) + ")"
     return text

@@ -169,7 +169,8 @@ def _fit(c, preset: str, min_tensor: int, expert: int = 1, rows: int | None = No
     c.model.remat_ordered = tpu and c.mesh["fsdp"] >= tpu_terms.FSDP_LARGE
     # model.collective_matmul and model.scheduler_memory_percent stay libtpu's: on v6e and tpu7x
     # they bring the steps nearer their plans at costs in time not measured here; a plan on
-    # those generations prints the compiled ratios each way (docs/tpu.md)
+    # those generations judges its step at the compiled ratios (docs/tpu.md), and an experiment
+    # whose step does not fit that way turns the collective matmuls off (e5_fp8.py on v6e-8)
     # libtpu crashes compiling a bfloat16 sampler's prefill for tpu7x at 1024-query chunks (an
     # fp8 one compiles); at 512 it compiles, after the step too (docs/tpu.md)
     if p.device == "tpu7x" and c.rollout.precision == "bfloat16":

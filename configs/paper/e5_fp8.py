@@ -17,8 +17,10 @@ from configs.paper import common
 ARMS = ("grpo_eps0.2", "p3o", "p3o_cap_only", "p3o_kl_only", "grpo_tis")
 # v5e-8: does not fit (tools/plan_memory.py); the RL step on v5e-16 compiles to 13.4 GB of its
 # 14.4 usable, the whole run on v4-8 to 26.7 of 30.9 and on tpu7x-8 to 49.7 of 92.8 (its step
-# 2.13x its plan at fsdp 8 with model.remat_ordered: docs/tpu.md); v6e-8 rests on the planner
-# alone, its TPU terms extrapolated from v5e and v5p (docs/paper_scale.md)
+# 2.13x its plan at fsdp 8 with model.remat_ordered: docs/tpu.md). On v6e-8 the RL step
+# compiles to 31.1 GB with libtpu's collective matmuls (1.53x its plan; v6e has 32 GB, a run
+# may use 28.8) and to 21.0 without them (1.03x): that preset turns them off
+# (model.collective_matmul; what that costs in time is not measured: docs/tpu.md)
 PRESETS = common.FITS_4B
 
 
@@ -27,4 +29,7 @@ def get_config(arg: str | None = None):
     c = common.with_objective(common.base(max_new_tokens=16384), arm)
     c.rollout.precision = "fp8"
     c.train.checkpoint_every = 5  # iteration 30 is evaluated afterwards
-    return common.finish(c, preset)
+    c = common.finish(c, preset)
+    if preset == "v6e-8":
+        c.model.collective_matmul = "none"
+    return c

@@ -257,7 +257,7 @@ def run_programs(config, mesh) -> list[Program]:
                                    int(r.group_size), pack_length, key is not None)  # fmt: skip
     skey = update_lib.StepKey(prompt, num_microbatches=key)
     step = update_lib.make_rl_step(ucfg, skey, state_sh, bsh)
-    train_terms = sum(plan.phases["train step"].values())
+    train_terms = sum(plan.phases[planner.TRAIN_PHASE].values())
     out = [
         Program("rl_step", step, (state, batch), held + _bytes(batch) + train_terms,
                 beside_train, _step_trips(objective_cfg, m))

@@ -72,13 +72,15 @@ TPU_COEF = {
 }
 # The TPU generations of the compiles TPU_COEF is fitted to; on the others it is extrapolated.
 FITTED = ("v5e", "v5p")
-# On the others, a held-out RL step compiled there (results/tpu): the compiler's bytes over
-# the planner's, which a plan on it prints. E3 on v6e-8 is 1.40x, on v5p with v6e-8's mesh
-# and micro-batches 0.92x: v6e's own. On tpu7x-8 (fsdp 8, model.remat_ordered) E3's step is
-# 1.39x and E5's 2.13x, on v5p with tpu7x-8's mesh E3's 0.86x: tpu7x's own (the larger is
-# printed). v4's E5 step, 0.87x, is not v4's (on v5p with v4-8's mesh and micro-batches:
-# 0.85x), so v4 plans print none.
-EXTRAPOLATED_STEPS = {"v6e": ("E3 on v6e-8", 1.40), "tpu7x": ("E5 on tpu7x-8", 2.13)}
+# On the others, held-out RL steps compiled there (results/tpu): the compiler's bytes over the
+# planner's. A plan there judges its RL step at the largest of a generation's (`step_ratio`,
+# planner.Plan.fits) and prints it. On v6e-8 E3's step is 1.40x at 2 rows per device and 1.47x
+# at 4, E5's 1.53x at 1 (31.1 GB: within v6e's 32 GB, over the 28.8 a run may use); on v5p
+# with v6e-8's mesh and micro-batches E3's is 0.92x: v6e's own. On tpu7x-8 (fsdp 8,
+# model.remat_ordered) E3's step is 1.39x and E5's 2.13x, on v5p with tpu7x-8's mesh E3's
+# 0.86x: tpu7x's own. v4's E5 step, 0.87x, is not v4's (on v5p with v4-8's mesh and
+# micro-batches: 0.85x), so v4 plans have none.
+EXTRAPOLATED_STEPS = {"v6e": ("E5 on v6e-8", 1.53), "tpu7x": ("E5 on tpu7x-8", 2.13)}
 # Why tpu7x's steps are over their plans, read off the buffer dumps of E5's first 4 and 8 layers
 # on tpu7x (10.85 and 16.87 GB, 1.20x and 1.56x their plans): the compiler turns each FSDP
 # all-gather and its projection into a collective matmul, a loop over the weight shards that
@@ -101,9 +103,11 @@ SCHEDULER_LIMIT = f"--{sharding_lib.SCHEDULER_MEMORY_LIMIT}"  # =P: P% of the de
 # 103.1 GB, 27.46 GB against 49.73; E3's on v6e-8 at 60% of its 32 GB, 23.68 against 26.32 (4.5
 # GB over the limit: v6e's widened loop is not the scheduler's alone); the same flop counts
 # (results/tpu, `scheduler_limit_P`).
-SCHEDULER_LIMITED = {"v6e": (60, 1.26), "tpu7x": (25, 1.17)}  # percent, compiled over planned
+SCHEDULER_LIMITED = {  # the step compiled, the limit (percent), compiled over planned
+    "v6e": ("E3 on v6e-8", 60, 1.26), "tpu7x": ("E5 on tpu7x-8", 25, 1.17),
+}  # fmt: skip
 WITHOUT_COLLECTIVE_MATMUL = {
-    "v6e": 0.95,  # E3 on v6e-8: 17.91 GB against 26.32
+    "v6e": 1.03,  # E5 on v6e-8: 21.03 GB against 31.11 (E3's: 17.91 against 26.32, 0.95x)
     "tpu7x": 1.04,  # E5 on tpu7x-8: 24.42 GB against 49.73 (E3's: 24.14 against 36.10, 0.93x)
 }
 # From this FSDP size (8-way weight all-gathers) the compiler undoes jax.checkpoint's remat
@@ -139,6 +143,17 @@ RELAID_WHOLE = ("tpu7x",)
 VMEM_BYTES = 128 * 2**20
 
 
+def step_ratio(device: str, collective_matmul: str) -> float | None:
+    """The compiled-over-planned ratio a plan on `device` judges its RL step at (a key of
+    EXTRAPOLATED_STEPS: v6e, tpu7x), under model.collective_matmul; None elsewhere (the
+    planner's terms are fitted there, or, on v4, the steps compiled are within them)."""
+    if device not in EXTRAPOLATED_STEPS:
+        return None
+    if collective_matmul == "none" and device in WITHOUT_COLLECTIVE_MATMUL:
+        return WITHOUT_COLLECTIVE_MATMUL[device]
+    return EXTRAPOLATED_STEPS[device][1]
+
+
 def compiled_step_ratio(device: str, collective_matmul: str) -> str:
     """What a plan on an extrapolated generation (a key of EXTRAPOLATED_STEPS) says of its RL
     step: the held-out step compiled there over its plan, under model.collective_matmul first,
@@ -150,12 +165,12 @@ def compiled_step_ratio(device: str, collective_matmul: str) -> str:
         return f"compiled, {name}'s RL step is {ratio:.2f}x its plan"
     limited = ""
     if device in SCHEDULER_LIMITED:
-        percent, bounded = SCHEDULER_LIMITED[device]
-        limited = f", {bounded:.2f}x with model.scheduler_memory_percent {percent}"
+        step, percent, bounded = SCHEDULER_LIMITED[device]
+        limited = f"; {step}'s is {bounded:.2f}x with model.scheduler_memory_percent {percent}"
     if collective_matmul == "none":
         return (
             f"compiled with model.collective_matmul none, {name}'s RL step is {off:.2f}x its "
-            f"plan ({ratio:.2f}x with libtpu's collective matmuls{limited})"
+            f"plan ({ratio:.2f}x with libtpu's collective matmuls){limited}"
         )
     return (
         f"compiled, {name}'s RL step is {ratio:.2f}x its plan, {off:.2f}x with "
