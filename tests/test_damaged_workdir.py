@@ -123,6 +123,27 @@ def tensorboard_scalars(tb_dir) -> list[tuple[str, int, float]]:
     return out
 
 
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+    """Catches the run's TensorBoard writer importing PyTorch again (tensorboardX's `__init__`
+    imports it where installed: 1.1 s of every run's start, for tensor types ess_jax never
+    passes) and the way around it breaking torch for the rest of the process: in a fresh
+    process, a row's events are written with torch not imported, then torch imports."""
+    code = (
+        "import sys\n"
+        "from ess_jax.rl.metrics import MetricsWriter\n"
+        f"w = MetricsWriter({str(tmp_path)!r}, tensorboard=True)\n"
+        "w.write({'step': 0, 'loss': 0.5}); w.close()\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "import torch\n"
+        "print(torch.ones(2).sum().item())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2.0"]
+    assert tensorboard_scalars(tmp_path / "tb") == [("loss", 0, 0.5)]
+
+
 def assert_tensorboard_holds_the_rows(workdir):
     """Each (tag, step) once in `workdir`'s TensorBoard events, in rising steps per tag across
     the files in name order, with the value of metrics.jsonl's row (float32: TensorBoard's)."""
