@@ -34,9 +34,10 @@ import tpu_table  # noqa: E402  (tools/tpu_table.py)
 # are -13% and the whole step -4.2%, E3's +7.5%, with the scheduler off the 4 layers -3.4%; with
 # the scheduler held to 13% and 25% of HBM, model.scheduler_memory_percent, the 8 layers -17.6%
 # and the whole step -14.8%, and E3's on v6e-8 at 60% -20.7%); the 8 layers at fsdp 4 x data 2 on
-# the same chips (free remat) +23%. Steps without remat are planned with XLA:CPU's terms: the
-# `tiny` preset (SmolLM2-135M) on v5e:2x2, its step +25% (its prefill -15%); E3's first 4 and 8
-# layers and E5's first 4 on v5p-8 with model.remat False, +46%, +48% and +67%.
+# the same chips (free remat) +23%. Without remat (TPU_COEF's no_remat terms, fitted to E3's
+# first 2, 4 and 8 layers and E5's first 4 on v5p-8, within 10% in sample): E5's first 8 layers
+# +14.6% (held out), and the `tiny` preset's step (SmolLM2-135M on v5e:2x2, float32, unchunked
+# attention) -21.5% (its prefill -15%).
 MESH8 = "e3_temperature_1p2__p3o__v5p-16__tpu7x-8_mesh__rl_step"  # fsdp 8 on v5p
 E5X = "e5_fp8__p3o__tpu7x-8__rl_step"  # E5's step slices on tpu7x-8
 MISSES = {
@@ -69,11 +70,9 @@ MISSES = {
     "e3_temperature_1p2__p3o__v5p-16__fsdp4_data2__rl_step__8_layers__remat_unordered.json": {
         "rl_step": (0.18, 0.28),
     },
-    "e3_temperature_1p2__p3o__v5p-8__rl_step__4_layers__no_remat.json": {"rl_step": (0.40, 0.52)},
-    "e3_temperature_1p2__p3o__v5p-8__rl_step__8_layers__no_remat.json": {"rl_step": (0.42, 0.54)},
-    "e5_fp8__p3o__v5p-8__rl_step__4_layers__no_remat.json": {"rl_step": (0.60, 0.72)},
+    "e5_fp8__p3o__v5p-8__rl_step__8_layers__no_remat.json": {"rl_step": (0.10, 0.20)},
     "e3_temperature_1p2__p3o__tiny__v5e-2x2.json": {
-        "rl_step": (0.20, 0.30), "sample/prefill": (-0.20, -0.10),
+        "rl_step": (-0.27, -0.16), "sample/prefill": (-0.20, -0.10),
     },
 }  # fmt: skip
 
@@ -178,7 +177,8 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     planner cannot rebuild, a held-out compile that leaks into the fit, and a step off by
     more than 10%: an untied model planned with a tied table's gradient (+57% on the untied
     Qwen3-4B widths), a mixture-of-experts step without its dispatched rows (-44% to -74%), a
-    splash step given the einsum fit's LM-head coefficient (+36% on E3's 4 layers)."""
+    splash step given the einsum fit's LM-head coefficient (+36% on E3's 4 layers), a step
+    without remat planned with XLA:CPU's terms (+45% to +84% on E3's and E5's slices)."""
     import fit_tpu_terms  # tools/fit_tpu_terms.py
 
     from ess_jax.memory import tpu_terms
@@ -200,8 +200,10 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # alone, and the whole run with the preset, which turns them off), E3's and E5's first
     # 4 layers on v5p-8 with model.remat_ordered, E3 on v5p with tpu7x-8's mesh (whole and its
     # first 8 layers with model.remat_ordered; with jax.checkpoint's remat whole and its first 4
-    # and 8 layers, with and without the scheduler) and with fsdp 4 x data 2 (8 layers)
-    assert sum(r[1] == "fit" for r in rows) == 15 and sum(r[1] == "held-out" for r in rows) == 47
+    # and 8 layers, with and without the scheduler) and with fsdp 4 x data 2 (8 layers). Without
+    # remat: fit, E3's first 2, 4 and 8 layers and E5's first 4 on v5p-8; held out, E3's first
+    # 4 at 1 row per device, E5's first 8, E2's first 4 on v5e-8 and the `tiny` preset's step
+    assert sum(r[1] == "fit" for r in rows) == 19 and sum(r[1] == "held-out" for r in rows) == 51
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS

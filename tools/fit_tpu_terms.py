@@ -1,6 +1,7 @@
 """Fits the train step's coefficients of ess_jax/memory/tpu_terms.py (TPU_COEF's update, stash,
-embedding, logits, logits_splash, moe_rows) to the TPU compiler's RL steps, and prints them with
-each compile's error in sample and left out of the fit:
+embedding, logits, logits_splash, moe_rows, no_remat_stash, no_remat_attention) to the TPU
+compiler's RL steps, and prints them with each compile's error in sample and left out of the
+fit:
 
     .venv/bin/python tools/fit_tpu_terms.py
 
@@ -12,13 +13,14 @@ default) or "held-out". Per compile, each term's basis is the planner's train-st
 the compiler's bytes less the step's arguments (its outputs alias them): the bytes the terms
 stand for. Least squares weighted by 1 / target (relative errors) over the "fit" compiles: the
 four dense terms over the dense models' steps with einsum attention, then `moe_rows` over the
-mixture-of-experts ones and `logits_splash` (the LM head's term with splash attention, which
-writes none of the einsum path's chunk scores that `logits` carries) over the splash ones,
-each with the dense four fixed; a held-out compile is not fitted. Errors are (arguments + the
+mixture-of-experts ones, `logits_splash` (the LM head's term with splash attention, which
+writes none of the einsum path's chunk scores that `logits` carries) over the splash ones and
+the two no-remat terms over the steps without `model.remat`, each with the dense four fixed; a
+held-out compile is not fitted. Errors are (arguments + the
 terms at the coefficients - compiler) / compiler. Plans only, compiles nothing (seconds).
 
-`--phases` fits, instead, the step as a peak over two phases, over every RL step (the
-mixture-of-experts ones and the held-out compiles included): arguments + update + stash +
+`--phases` fits, instead, the step as a peak over two phases, over every RL step with remat
+(the mixture-of-experts ones and the held-out compiles included): arguments + update + stash +
 max(embedding + logits, attention + feed_forward), the LM head's backward against one
 layer's recomputed backward, `attention` its einsum chunk's float32 scores (r H C T 4; none
 with splash), `feed_forward` its activations (r T F b, terms.ffn_width). It prints each
@@ -59,8 +61,11 @@ TERMS = {
     "logits": "logits",
     "logits_splash": "logits",  # the same term of a step with splash attention
     "moe_rows": "dispatched rows (one MoE block)",
+    "no_remat_stash": "activations (no remat: every layer's)",
+    "no_remat_attention": "attention (one layer's backward)",
 }
 MOE = ("moe_rows",)  # fitted over the mixture-of-experts steps
+NO_REMAT = ("no_remat_stash", "no_remat_attention")  # fitted over the steps without remat
 SPLASH = ("logits_splash",)  # fitted over the steps with splash attention
 DENSE = ("update", "stash", "embedding", "logits")  # fitted together over the dense steps
 
@@ -85,8 +90,7 @@ def record_config(record: dict, folder: str):
 
 def step_row(record: dict) -> tuple[dict, float, float] | None:
     """(bases, target, arguments) of `record`'s RL step, per device (module docstring), or
-    None for a step that tpu_terms.train_terms leaves to XLA:CPU's terms (without
-    `model.remat`, or with LoRA: the `tiny` preset's SmolLM2 step), the
+    None for a step that tpu_terms.train_terms leaves to XLA:CPU's terms (with LoRA), the
     bases with the phase model's `attention` and `feed_forward` (`--phases`); a term the
     planner leaves out of this step (an untied model's embedding, a dense model's experts)
     has basis 0. The planner's train-step terms that are not fitted here count with the
@@ -138,7 +142,7 @@ def read_rows(root: str = ROOT) -> list[tuple[str, str, dict, float, float, floa
             if "rl_step" not in record["programs"]:
                 continue
             row = step_row(record)
-            if row is None:  # a step without remat: XLA:CPU's terms plan it, not TPU_COEF
+            if row is None:  # a LoRA step: XLA:CPU's terms plan it, not TPU_COEF
                 continue
             bases, target, args = row
             name = os.path.relpath(path, os.path.join(root, "results"))
@@ -154,10 +158,10 @@ def fit(rows) -> dict[str, float]:
     counts bytes; 0 without any)."""
     if any(r[2]["moe_rows"] and r[2]["logits_splash"] for r in rows):  # each fit fixes DENSE only
         raise ValueError("a mixture-of-experts step with splash attention: no fit takes it")
-    dense = [r for r in rows if not r[2]["moe_rows"] and not r[2]["logits_splash"]]
+    dense = [r for r in rows if not any(r[2][k] for k in (*MOE, *SPLASH, *NO_REMAT))]
     a = np.array([[r[2][k] for k in DENSE] for r in dense]) / np.array([[r[3]] for r in dense])
     coef = dict(zip(DENSE, np.linalg.lstsq(a, np.ones(len(dense)), rcond=None)[0].tolist()))
-    for keys in (MOE, SPLASH):
+    for keys in (MOE, SPLASH, NO_REMAT):
         some = [r for r in rows if any(r[2][k] for k in keys)]
         if not some:
             coef.update(dict.fromkeys(keys, 0.0))
@@ -206,6 +210,7 @@ def phase_fit(rows) -> dict[str, float]:
 
 
 def print_phases(rows) -> None:
+    rows = [r for r in rows if not any(r[2][k] for k in NO_REMAT)]  # the model is remat's
     coef = phase_fit(rows)
     print(f"phase model over {len(rows)} compiles (every RL step, mixture of experts included):")
     print("  " + "  ".join(f"{k} {v:.2f}" for k, v in coef.items()))

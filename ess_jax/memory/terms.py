@@ -234,6 +234,33 @@ def ffn_width(cfg, mesh, rows: int | None = None) -> int:
     return max(dense, group * experts * axis_split(cfg.moe_intermediate_size, mesh, "tensor"))
 
 
+def layer_stash(cfg, mesh, rows: int, seq_len: int, mask: bool = True) -> float:
+    """Bytes one layer keeps for its backward on XLA:CPU, per device, for a micro-batch of `rows`
+    sequences of `seq_len` tokens: its residual stream, norms and attention output (stash_D),
+    its feed-forward activations (stash_F), its attention mask (unless not `mask`) and,
+    unchunked, its attention probabilities (COEF)."""
+    r, t, b = batch_split(rows, mesh), seq_len, np.dtype(cfg.compute_dtype).itemsize
+    k = COEF
+    per_layer = k["stash_D"] * r * t * cfg.hidden_size * b
+    per_layer += k["stash_F"] * r * t * ffn_width(cfg, mesh, rows) * b
+    per_layer += k["stash_mask"] * r * t * t * 4 if mask else 0.0
+    if not 0 < cfg.logits_chunk < t:  # unchunked attention: (queries, keys) of each block
+        h = axis_split(cfg.num_heads, mesh, "tensor")
+        causal = layers.causal_blocks(t)
+        per_layer += k["stash_A"] * r * h * sum((z - a) * keys for a, z, keys in causal) * 4
+    return per_layer
+
+
+def attention_bytes(cfg, mesh, rows: int, seq_len: int) -> float:
+    """One layer's attention backward temporaries on XLA:CPU, per device: a query chunk's
+    float32 scores recomputed (model.logits_chunk), else the largest causal block's."""
+    r, t, h = batch_split(rows, mesh), seq_len, axis_split(cfg.num_heads, mesh, "tensor")
+    if 0 < cfg.logits_chunk < t:
+        return COEF["attn_chunk_tmp"] * r * h * cfg.logits_chunk * t * 4
+    causal = layers.causal_blocks(t)
+    return COEF["attn_tmp"] * r * h * max((z - a) * n for a, z, n in causal) * 4
+
+
 def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
     """Bytes of each transient of one train step on a micro-batch of `rows` sequences of
     `seq_len` tokens (activations, gradients and update temporaries), per device.
@@ -244,10 +271,7 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     s = seq_len if scored_len is None else scored_len
     b = np.dtype(cfg.compute_dtype).itemsize
     n_layers, d = cfg.num_layers, cfg.hidden_size
-    f = ffn_width(cfg, mesh, rows)
-    h = axis_split(cfg.num_heads, mesh, "tensor")
     v = axis_split(cfg.vocab_size, mesh, "tensor")
-    c = cfg.logits_chunk if 0 < cfg.logits_chunk < t else 0  # attention's query chunks
     c_head = cfg.logits_chunk if 0 < cfg.logits_chunk < s else 0  # the LM head's
     k = COEF
     terms = {"update": k["update"] * trained_bytes(cfg, mesh)}  # LoRA: the adapters
@@ -258,23 +282,17 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     elif cfg.lora_base_precision != "compute":  # QLoRA: XLA dequantizes every block matrix at
         # the step's start and keeps it to the backward (model/quant.py); with FSDP: `gathered`
         terms["dequantized base"] = block_bytes(lora.base_config(cfg), mesh, cfg.compute_dtype)
-    per_layer = k["stash_D"] * r * t * d * b + k["stash_F"] * r * t * f * b
-    per_layer += k["stash_mask"] * r * t * t * 4
-    causal = layers.causal_blocks(t)  # unchunked attention: (queries, keys) of each block
-    if not c:
-        per_layer += k["stash_A"] * r * h * sum((z - a) * keys for a, z, keys in causal) * 4
+    per_layer = layer_stash(cfg, mesh, rows, t)
     if cfg.remat:  # block inputs of every layer, one layer's stash while it is recomputed
         terms["activations"] = n_layers * r * t * d * b + per_layer
     else:
         terms["activations"] = n_layers * per_layer
     if cfg.lora_rank and cfg.lora_dropout:  # every layer's, remat or not (docs/memory.md)
-        width = {"o": h * cfg.head_dim, "down": f}  # the others read the [r, T, D] stream
+        h = axis_split(cfg.num_heads, mesh, "tensor")
+        width = {"o": h * cfg.head_dim, "down": ffn_width(cfg, mesh, rows)}  # others: [r, T, D]
         inputs = sum(width.get(n, d) for n in lora.targets_of(cfg, lora.TARGETS))
         terms["LoRA dropout"] = k["lora_dropout"] * n_layers * r * t * inputs
-    if c:
-        terms["attention"] = k["attn_chunk_tmp"] * r * h * c * t * 4
-    else:
-        terms["attention"] = k["attn_tmp"] * r * h * max((z - a) * n for a, z, n in causal) * 4
+    terms["attention"] = attention_bytes(cfg, mesh, rows, t)
     if c_head:
         terms["logits"] = k["logits_chunk"] * r * c_head * v * 4
     else:

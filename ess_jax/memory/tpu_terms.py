@@ -12,7 +12,8 @@ peak live set in its `*live-range.txt`):
     where XLA:CPU keeps every layer's gathered weights alive (terms.COEF["gathered"]); up to
     fsdp 4 with jax.checkpoint's free remat, from fsdp 8 (FSDP_LARGE) only with
     `model.remat_ordered` (model/remat.py); the coefficients are fitted to free remat's steps
-    (ordered ones on v5p compile from 14% below them to 3% above: docs/tpu.md);
+    (ordered ones on v5p compile from 14% below them to 3% above: docs/tpu.md); without
+    remat it keeps every layer's residuals (less than XLA:CPU's stash: no attention mask);
   - a decode segment's cache is the segment's own bound, not the whole length; the compiler
     hoists out of the decode loop a relaid-out copy of every layer's q / k / v projections
     (16-bit and quantized weights) or, at 2 or more rows per device, a bfloat16 copy of every
@@ -64,6 +65,13 @@ TPU_COEF = {
     # coefficient over three Qwen3-30B-A3B slices (2 layers at 1 and 4 rows per device, 8 at
     # 1), the dense coefficients fixed (the 4- and 6-layer slices and the whole step held out)
     "moe_rows": 4.34,
+    # without model.remat: every layer's saved residuals, x XLA:CPU's per-layer stash less its
+    # attention mask (terms.layer_stash: the T x T mask term would put E5's 16K-token layers
+    # 14% over E3's), and one layer's attention backward at the peak, x XLA:CPU's
+    # (terms.attention_bytes); the same fit over the four "fit" steps without remat (E3's
+    # first 2, 4 and 8 layers and E5's first 4 on v5p-8), the dense coefficients fixed
+    "no_remat_stash": 0.74,
+    "no_remat_attention": 0.21,
     # sampler: fitted by hand to the E3 v5p-8 record's sampler programs (their errors there
     # are in sample)
     "prefill_attn": 0.6,  # x uniq KV P C 4: the prefill's float32 attention scores
@@ -326,14 +334,14 @@ def free_remat_note(cfg, mesh) -> str | None:
 
 
 def models_step(cfg) -> bool:
-    """Whether `train_terms` counts `cfg`'s RL step with the TPU terms: with `model.remat` and
-    without LoRA (every paper arm); else the step is not measured on TPU and XLA:CPU's terms
-    (terms.train_terms) plan it."""
-    return bool(cfg.remat) and not cfg.lora_rank
+    """Whether `train_terms` counts `cfg`'s RL step with the TPU terms: without LoRA (every
+    paper arm, with `model.remat` or without); with LoRA (QLoRA) the step is not measured on
+    TPU and XLA:CPU's terms (terms.train_terms) plan it."""
+    return not cfg.lora_rank
 
 
 def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len=None) -> dict:
-    """terms.train_terms on a TPU (same arguments), per device, with `model.remat` (every
+    """terms.train_terms on a TPU (same arguments), per device. With `model.remat` (every
     paper arm): the gradient state, the block inputs of every layer (the compiler's remat:
     no layer's gathered weights or activations outlive its backward), one LM-head chunk's
     logits and, with tied embeddings, the shared table gathered with its float32 gradient
@@ -347,9 +355,12 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     other terms' coefficients absorb them and the allocator's fragmentation (memory_analysis's
     temporaries with the arguments exceed the live peak by 26-76% in docs/tpu.md's four
     dumps). With splash attention no layer writes those scores: the LM head's term takes its
-    own coefficient, fitted to the splash steps (TPU_COEF's "logits_splash"). Without remat,
-    or with LoRA (QLoRA), the step is not measured on TPU:
-    terms.train_terms (XLA:CPU's)."""
+    own coefficient, fitted to the splash steps (TPU_COEF's "logits_splash").
+    Without remat the step keeps every layer's residuals to its backward, and its peak is in
+    the layers' backward (E3's first 2 layers on v5p-8: the saved residuals and one query
+    chunk's recomputed attention live, the LM head's logits freed): XLA:CPU's per-layer stash
+    and attention backward, each at its TPU coefficient, in place of the block inputs and the
+    logits. With LoRA (QLoRA) the step is not measured on TPU: terms.train_terms (XLA:CPU's)."""
     if not models_step(cfg):
         return terms.train_terms(cfg, mesh, rows, seq_len, full_kl_models, scored_len)
     r, t = terms.batch_split(rows, mesh), seq_len
@@ -359,14 +370,19 @@ def train_terms(cfg, mesh, rows: int, seq_len: int, full_kl_models=0, scored_len
     c_head = cfg.logits_chunk if 0 < cfg.logits_chunk < s else s  # the LM head's chunk
     d, embedding = cfg.hidden_size, terms.embedding_bytes(cfg, mesh, np.float32)
     k = TPU_COEF
-    out = {
-        "update": k["update"] * terms.trained_bytes(cfg, mesh),
-        "activations (remat: block inputs)": k["stash"] * cfg.num_layers * r * t * d * b,
-    }
+    out = {"update": k["update"] * terms.trained_bytes(cfg, mesh)}
+    if cfg.remat:
+        out["activations (remat: block inputs)"] = k["stash"] * cfg.num_layers * r * t * d * b
+    else:  # every layer's residuals, and one layer's attention backward (docstring)
+        stash = cfg.num_layers * terms.layer_stash(cfg, mesh, rows, t, mask=False)
+        out["activations (no remat: every layer's)"] = k["no_remat_stash"] * stash
+        attention = terms.attention_bytes(cfg, mesh, rows, t)
+        out["attention (one layer's backward)"] = k["no_remat_attention"] * attention
     if cfg.tie_embeddings:  # the shared table's float32 gradient, whole (docstring)
         out["embedding (gathered, its gradient)"] = k["embedding"] * embedding
-    head = "logits_splash" if cfg.attention_impl == "splash" else "logits"  # (TPU_COEF)
-    out["logits"] = k[head] * r * c_head * v * 4
+    if cfg.remat:
+        head = "logits_splash" if cfg.attention_impl == "splash" else "logits"  # (TPU_COEF)
+        out["logits"] = k[head] * r * c_head * v * 4
     if cfg.num_experts:  # one MoE block's dispatched rows (its expert group's); dense: none
         dispatched = r * t * terms.ffn_width(cfg, mesh, rows) * b
         out["dispatched rows (one MoE block)"] = k["moe_rows"] * dispatched
