@@ -82,8 +82,9 @@ TPU_COEF = {
 FITTED = ("v5e", "v5p")
 # On the others, held-out RL steps compiled there (results/tpu): the compiler's bytes over the
 # planner's. A plan there judges its RL step at the largest of a generation's (`step_ratio`,
-# planner.Plan.fits) and prints it. On v6e-8 E3's step is 1.40x at 2 rows per device and 1.47x
-# at 4, E5's 1.53x at 1 (31.1 GB: within v6e's 32 GB, over the 28.8 a run may use); on v5p
+# planner.Plan.fits) and prints it. On v6e-8 E3's step is 1.36x at 1 row per device, 1.40x at 2
+# and 1.47x at 4, E5's 1.53x at 1 (31.1 GB: within v6e's 32 GB, over the 28.8 a run may use),
+# E2's (Qwen2.5-1.5B, 2 rows) 1.01x: no term of the plan's shapes fits both models; on v5p
 # with v6e-8's mesh and micro-batches E3's is 0.92x: v6e's own. On tpu7x-8 (fsdp 8,
 # model.remat_ordered) E3's step is 1.39x and E5's 2.13x, on v5p with tpu7x-8's mesh E3's
 # 0.86x: tpu7x's own. v4's E5 step, 0.87x, is not v4's (on v5p with v4-8's mesh and
