@@ -22,7 +22,7 @@ import tpu_table  # noqa: E402  (tools/tpu_table.py)
 # band it is reported in (record file in results/tpu -> program -> planner error). RL steps: E5's
 # on v4-8, +15%, and on v5p-8 with v4-8's mesh and micro-batches (tensor 4, no FSDP, one row per
 # device), +17% (at 4 rows: -8%); E3's on v6e-8, -29% (at 1 row -26.5%, at 4 -32%; E2's there
-# is -1.4%; on v5p with v6e-8's mesh and micro-batches:
+# is -1.4%, +13% without collective matmuls; on v5p with v6e-8's mesh and micro-batches:
 # +9%; on v6e-8 without collective matmuls +4.9%). At fsdp 8 with jax.checkpoint's remat
 # (model.remat_ordered False: `remat_unordered` records) the compiler undoes the remat: E3's step
 # on tpu7x-8 -51%, E5's -70%, E3's on v5p with tpu7x-8's mesh and micro-batches -70%, its first 4
@@ -47,6 +47,7 @@ MISSES = {
     "e3_temperature_1p2__p3o__v6e-8.json": {"rl_step": (-0.35, -0.20)},
     "e3_temperature_1p2__p3o__v6e-8__rl_step__4_rows.json": {"rl_step": (-0.36, -0.28)},
     "e3_temperature_1p2__p3o__v6e-8__rl_step__1_row.json": {"rl_step": (-0.30, -0.22)},
+    "e2_qwen25_1p5b__p3o__v6e-8__rl_step__no_collective_matmul.json": {"rl_step": (0.08, 0.18)},
     "e5_fp8__p3o__v6e-8__rl_step__collective_matmul_auto.json": {"rl_step": (-0.38, -0.30)},
     "e3_temperature_1p2__p3o__tpu7x-8__remat_unordered.json": {"rl_step": (-0.55, -0.45)},
     "e5_fp8__p3o__tpu7x-8__remat_unordered.json": {"rl_step": (-0.75, -0.65)},
@@ -205,8 +206,8 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # and 8 layers, with and without the scheduler) and with fsdp 4 x data 2 (8 layers). Without
     # remat: fit, E3's first 2, 4 and 8 layers and E5's first 4 on v5p-8; held out, E3's first
     # 4 at 1 row per device, E5's first 8, E2's first 4 on v5e-8 and the `tiny` preset's step;
-    # on v6e-8, E3's step at 1 row per device and E2's
-    assert sum(r[1] == "fit" for r in rows) == 19 and sum(r[1] == "held-out" for r in rows) == 53
+    # on v6e-8, E3's step at 1 row per device and E2's, with and without collective matmuls
+    assert sum(r[1] == "fit" for r in rows) == 19 and sum(r[1] == "held-out" for r in rows) == 54
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
