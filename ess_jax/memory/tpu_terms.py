@@ -193,10 +193,20 @@ def is_tpu(device: str) -> bool:
 
 
 def cache_bytes(cfg, mesh, rows: int, length: int, kv_cache: str = "compute") -> float:
-    """Per-device bytes of the KV cache of `rows` sequences at `length` positions."""
+    """Per-device bytes of the KV cache of `rows` sequences at `length` positions, as the TPU
+    lays each entry out: of its two minor dimensions (head dim, positions) the compiler puts
+    minor the one that pads least, padded to 128 lanes, the other to the sublane tile (8 rows
+    of 32 bits: 16 of bfloat16). The `tiny` preset's bfloat16 prefill (heads of 64, 272
+    positions: docs/tpu.md) outputs every entry positions-minor, 384 lanes, 1.41x its elements;
+    at the paper arms' widths (heads of 128, positions a multiple of 128) nothing pads."""
     b = terms.kv_bytes_per_element(cfg, kv_cache)
+    code = 1 if kv_cache == "fp8" else int(b)  # an fp8 code's byte; its scale is in `b`
     n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
-    return terms.batch_split(rows, mesh) * 2 * cfg.num_layers * n_kv * cfg.head_dim * b * length
+    sub = 8 * 4 // min(code, 4)
+    pad = lambda n, m: -(-n // m) * m  # noqa: E731
+    kd = cfg.head_dim
+    entry = min(pad(kd, 128) * pad(length, sub), pad(kd, sub) * pad(length, 128))
+    return terms.batch_split(rows, mesh) * 2 * cfg.num_layers * n_kv * entry * b
 
 
 def reshard_buffers(cfg, mesh) -> float:
