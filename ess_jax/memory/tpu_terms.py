@@ -203,7 +203,10 @@ def cache_bytes(cfg, mesh, rows: int, length: int, kv_cache: str = "compute") ->
     code = 1 if kv_cache == "fp8" else int(b)  # an fp8 code's byte; its scale is in `b`
     n_kv = terms.axis_split(cfg.num_kv_heads, mesh, "tensor")
     sub = 8 * 4 // min(code, 4)
-    pad = lambda n, m: -(-n // m) * m  # noqa: E731
+
+    def pad(n: int, m: int) -> int:
+        return -(-n // m) * m
+
     kd = cfg.head_dim
     entry = min(pad(kd, 128) * pad(length, sub), pad(kd, sub) * pad(length, 128))
     return terms.batch_split(rows, mesh) * 2 * cfg.num_layers * n_kv * entry * b
