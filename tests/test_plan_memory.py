@@ -50,6 +50,13 @@ SAMPLE_CASES = [  # devices, prompts, samples per prompt, bucketed prompt width,
     dict(devices=1, prompts=4, samples=3, prompt=128, new=96, chunk=0, precision="float32"),
     dict(devices=8, prompts=16, samples=4, prompt=128, new=96, chunk=32, precision="float32"),
 ]
+# the scoring pass (steps.score_fn: pi_prox / reference log-probs, forward only) over `rows`
+# rows in `chunks` strided chunks; its coefficients are fitted on another model's shapes
+SCORE_CASES = [
+    dict(devices=1, rows=4, prompt=32, response=224, chunk=0, dtype="float32", chunks=2),
+    dict(devices=8, rows=32, prompt=32, response=224, chunk=48, dtype="bfloat16", chunks=2),
+    dict(devices=8, rows=32, prompt=64, response=960, chunk=128, dtype="bfloat16", chunks=4),
+]
 # model.lora's sampler copy: base + adapters merged straight into the sampler's format
 # (rl/lora_policy.merged), the base in the train layout, the copy in the sample layout
 # (each format on one mesh: the format sets the output, the mesh which matrix is the largest)
@@ -205,6 +212,41 @@ def _sample_case(case):
     }
 
 
+def _score_case(case):
+    import jax
+    import jax.numpy as jnp
+
+    from ess_jax.memory import planner as memory
+    from ess_jax.memory import scoring_terms
+    from ess_jax.model import decoder as model
+    from ess_jax.parallel import sharding
+    from ess_jax.rl import steps
+
+    cfg = model.ModelConfig(**MODEL, dtype=case["dtype"], logits_chunk=case["chunk"])
+    n_dev, rows, chunks = case["devices"], case["rows"], case["chunks"]
+    mesh = sharding.make_mesh({"fsdp": n_dev}, jax.devices()[:n_dev])
+    shardings = model.param_shardings(cfg, mesh, "train")
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        model.abstract_params(cfg),
+        shardings,
+    )
+    t, bsh = case["prompt"] + case["response"], sharding.batch_sharding(mesh)
+    batch = {
+        k: jax.ShapeDtypeStruct((rows, t), dt, sharding=bsh)
+        for k, dt in (("tokens", jnp.int32), ("attn_mask", bool))
+    }
+    score = steps.score_fn(cfg, case["prompt"], mesh, chunks)
+    xla = _xla_total(score.lower(params, batch).compile())
+    amesh = memory.abstract_mesh(sharding.mesh_shape({"fsdp": n_dev}, n_dev))
+    terms = scoring_terms.score_terms(cfg, amesh, rows // chunks, t, case["response"])
+    logp = jax.ShapeDtypeStruct((rows, case["response"]), jnp.float32, sharding=bsh)
+    held = memory.param_bytes(cfg, amesh, "train")
+    held += memory.tree_bytes([*batch.values(), logp], [bsh] * 3)
+    transient = sum(terms.values())
+    return {"xla": xla, "estimate": held + transient, "transient": transient}
+
+
 def _merge_case(case):
     """XLA's output and temporary bytes of LoRA's merge into the sampler's format, beside the
     planner's copy, the largest float32 matrix and the whole float32 merged copy (per device,
@@ -247,6 +289,7 @@ def _merge_case(case):
 def measure_all() -> None:
     """Runs in the subprocess: prints one JSON dict of every case's numbers."""
     out = {f"train{i}": _train_case(c) for i, c in enumerate(TRAIN_CASES)}
+    out.update({f"score{i}": _score_case(c) for i, c in enumerate(SCORE_CASES)})
     for i, c in enumerate(SAMPLE_CASES):
         for phase, v in _sample_case(c).items():
             out[f"sample{i}_{phase}"] = v
@@ -273,9 +316,10 @@ def measured():
 def test_estimates_within_25_percent_of_xla(measured):
     """Catches: a planner term that drifts from what XLA allocates (a missing buffer, a sharding
     the planner divides by but XLA does not apply, e.g. activations replicated over FSDP ranks,
-    a chunked path that still materialises the whole [B, T, V] logits)."""
+    a chunked path that still materialises the whole [B, T, V] logits, a scoring pass planned
+    without its gathered weights)."""
     measured = {k: v for k, v in measured.items() if k != "merge"}  # test_lora_merge_...
-    assert len(measured) == len(TRAIN_CASES) + 2 * len(SAMPLE_CASES)
+    assert len(measured) == len(TRAIN_CASES) + len(SCORE_CASES) + 2 * len(SAMPLE_CASES)
     errors = {name: (v["estimate"] - v["xla"]) / v["xla"] for name, v in sorted(measured.items())}
     for name, v in measured.items():
         # the transients the planner models (not just the params it counts exactly) are a real

@@ -75,6 +75,12 @@ MISSES = {
     },
     "e5_fp8__p3o__v5p-8__rl_step__8_layers__no_remat.json": {"rl_step": (0.10, 0.20)},
     "e3_temperature_1p2__p3o__tiny__v5e-2x2.json": {"rl_step": (-0.27, -0.16)},
+    "e3_temperature_1p2__grpo_tis__tiny__v5e-2x2__score.json": {"score": (-0.20, -0.12)},
+    "e3_temperature_1p2__grpo_tis__tpu7x-8__score.json": {"score": (-0.62, -0.52)},
+    "e3_temperature_1p2__grpo_tis__v5e-16__score.json": {"score": (-0.13, -0.08)},
+    "e3_temperature_1p2__grpo_tis__v5e-16__score__no_collective_matmul.json": {
+        "score": (-0.15, -0.08),
+    },
 }  # fmt: skip
 
 
@@ -87,9 +93,11 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
     segment at one row per device planned with the bfloat16 copy of the weights, +36%; a
     single prompt's prefill planned with the whole embedding table, +40% without FSDP and
     +14% with it; a KV cache counted by its elements where the TPU pads its minor dimension to
-    128 lanes, -15% on the `tiny` preset's prefill) on any program of the committed records but
-    MISSES, and committed planner bytes, beside bytes or verdicts other than the planner's
-    (every record replanned: a planner change left without --replan)."""
+    128 lanes, -15% on the `tiny` preset's prefill; a scoring pass planned with one query
+    chunk's scores where the compiler keeps two, -22% on E3's, or without the collective
+    matmuls' pieces on a tensor-parallel mesh, -31% on E3's on v6e-8) on any program of the
+    committed records but MISSES, and committed planner bytes, beside bytes or verdicts other
+    than the planner's (every record replanned: a planner change left without --replan)."""
     records = tpu_table.read_records()
     assert len(records) >= 5
     files = [

@@ -5,12 +5,14 @@ length (float32 params and AdamW moments, the policy history and an external mod
 FSDP-sharded train layout) and the transients of each phase: the train step (gradients, update
 temporaries, FSDP-gathered weights, one micro-batch's activations, chunked or not), a sampler
 collection (the sample-layout gather of the weights, their bfloat16 / fp8 copy, the KV cache,
-prefill and decode temporaries), eval, the history push and, for a group of a two-program
-async run (train.async_role), the params copy of a sync; the peak phase decides. Shapes
+prefill and decode temporaries), eval, the scoring pass of an objective that reads pi_prox or a
+reference KL (scoring_terms.py: one chunk's forward), the history push and, for a group of a
+two-program async run (train.async_role), the params copy of a sync; the peak phase decides. Shapes
 and shardings are exact (`jax.eval_shape` of the optimizer, the model's logical axes on an
 abstract mesh of any size); the per-unit coefficients (COEF) are XLA's, fitted to
 `compiled.memory_analysis()` on CPU. tests/test_plan_memory.py holds the estimates within 25% of
-XLA's for the train step and the sampler on 1 and 8 devices, on shapes not used for the fit.
+XLA's for the train step, the scoring pass and the sampler on 1 and 8 devices, on shapes not
+used for the fit.
 On a TPU device (a key of presets.CHIPS) the transients are the TPU compiler's
 (tpu_terms.py: the train step as the compiler realises remat, decode segments at their own
 cache bound with the weight copies it hoists, and a reshard phase with its second copy of the
@@ -23,8 +25,7 @@ and several updates per batch, the copy of the params it re-scores with).
 
 Not modelled: XLA's workspace and collective buffers on accelerators (the memory left free by
 `presets.memory_fraction`: 10% by default, and what `ess_jax.main` leaves jax on GPUs),
-host memory, the forward-only scoring pass of the dual anchor / TIS (one micro-batch, smaller
-than the train step). `model.remat` is estimated as block inputs of every layer plus one layer
+host memory. `model.remat` is estimated as block inputs of every layer plus one layer
 recomputed: XLA:CPU realises only part of that saving, so it cannot be checked here.
 """
 
@@ -36,9 +37,10 @@ import os
 
 from jax.sharding import AbstractMesh, AxisType
 
+from ess_jax import objectives as obj_lib
 from ess_jax.config.presets import GB, HBM, KNOWN_MODELS, memory_fraction
 from ess_jax.data import char_tokenizer
-from ess_jax.memory import tpu_terms
+from ess_jax.memory import scoring_terms, tpu_terms
 from ess_jax.memory.terms import (  # noqa: F401  (re-exported: memory.X is the API)
     COEF,
     embedding_bytes,
@@ -57,6 +59,7 @@ from ess_jax.parallel import sharding as sharding_lib
 from ess_jax.rl import experiment, lora_policy, packed
 
 TRAIN_PHASE = "train step"  # the phase of a plan that holds the RL step
+SCORE_PHASE = "scoring pass"  # pi_prox / reference log-probs before the updates (steps.score_fn)
 
 
 def abstract_mesh(sizes: dict) -> AbstractMesh:
@@ -166,6 +169,13 @@ class Plan:
         return out + list(self.notes)
 
 
+def scores(config) -> bool:
+    """Whether a run of `config` scores its rollout batches before the updates (steps.score_fn):
+    its objective reads pi_prox (objectives.needs_prox), or a KL to the reference model."""
+    objective = obj_lib.objective_config(config.objective.to_dict())
+    return obj_lib.needs_prox(objective) or config.objective.beta_kl > 0
+
+
 def device_train_terms(device: str, *args, **kwargs) -> dict:
     """train_terms on `device`: the TPU compiler's (tpu_terms) on a TPU, XLA:CPU's else."""
     fn = tpu_terms.train_terms if tpu_terms.is_tpu(device) else train_terms
@@ -269,6 +279,12 @@ def plan(
     }
     if full_kl and not r.lag and t.updates_per_batch > 1:  # full_kl.FullKL.inputs' copy
         phases[TRAIN_PHASE]["behaviour params copy"] = trained
+    if scores(config):  # steps.score_fn: the padded rows in the micro-batches' chunks
+        chunk = config.data.prompts_per_step * r.group_size // t.updates_per_batch
+        chunk //= t.num_microbatches
+        length = prompt_len + r.max_new_tokens
+        args = (policy_cfg if not rank else cfg, amesh, chunk, length, r.max_new_tokens)
+        phases[SCORE_PHASE] = scoring_terms.device_score_terms(device, *args)
 
     calls = int(r.get("sample_microbatches", 1))
     prompts = config.data.prompts_per_step // calls
