@@ -49,7 +49,7 @@ from ess_jax.memory import planner, tpu_terms
 from ess_jax.model import decoder as model_lib
 from ess_jax.model import lora
 from ess_jax.parallel import sharding as sharding_lib
-from ess_jax.rl import experiment, lora_policy, packed, steps
+from ess_jax.rl import accumulate, experiment, lora_policy, packed, steps
 from ess_jax.rl import update as update_lib
 from ess_jax.rl.optim import make_optimizer
 from ess_jax.sampling import decode as decode_lib
@@ -207,10 +207,8 @@ def _step_trips(objective_cfg, m: int) -> int:
     """How often the RL step's micro-batch loop body runs: M, or M - 1 for a loss that reads
     the step's ESS (rl/accumulate.statistics_pass from M = 3 on: its forward scan and
     the gradient scan each run M - 1 micro-batches, the last one outside both loops)."""
-    reads_ess = obj_lib.get_objective(objective_cfg.name).ess_in_loss
-    if reads_ess and objective_cfg.ess_scope == "step" and m > 2:
-        return m - 1
-    return m
+    objective = obj_lib.get_objective(objective_cfg.name)
+    return m - 1 if accumulate.keeps_last_microbatch(objective, objective_cfg.ess_scope, m) else m
 
 
 def run_programs(config, mesh) -> list[Program]:

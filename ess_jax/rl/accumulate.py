@@ -30,6 +30,14 @@ from ess_jax.objectives.scopes import combine_metrics
 LogpFn = Callable[[Any, Batch], Any]  # (params, rows) -> logp_BxT or (logp_BxT, extras)
 
 
+def keeps_last_microbatch(objective: Objective, ess_scope: str, m: int) -> bool:
+    """Whether an update of `m` micro-batches runs the statistics pass and keeps its last
+    micro-batch's forward for that micro-batch's gradient (`statistics_pass` from M = 3 on):
+    its gradient then runs outside the gradient scan, and its micro-batch loops run M - 1
+    times."""
+    return objective.ess_in_loss and ess_scope == "step" and m > 2
+
+
 def step_scope(acc: Accumulator, rows: Batch, shared: Batch, m: int):
     """The whole step's ESS and counts in every micro-batch's loss; losses and gradients sum.
 
