@@ -76,11 +76,12 @@ MISSES = {
     "e5_fp8__p3o__v5p-8__rl_step__8_layers__no_remat.json": {"rl_step": (0.10, 0.20)},
     "e3_temperature_1p2__p3o__tiny__v5e-2x2.json": {"rl_step": (-0.27, -0.16)},
     # first 4 layers of a step without the statistics pass (P3O's kept micro-batch sets the
-    # fitted slices' peak; the whole steps of these arms are within 10%: docs/tpu.md)
+    # fitted slices' peak; GRPO's whole E3 and E5 steps are +2.2% and +6.3%: docs/tpu.md)
     **{f"{arm}__v5p-8__rl_step__4_layers.json": {"rl_step": (0.18, 0.28)} for arm in (
         "e1_clip_sweep__grpo_eps0.2", "e1_clip_sweep__gspo", "e1_clip_sweep__cispo",
         "e1_clip_sweep__dapo", "e3_temperature_1p2__grpo_tis")},
     "e3_temperature_1p2__grpo_tis__tiny__v5e-2x2__score.json": {"score": (-0.20, -0.12)},
+    "e3_temperature_1p2__p3o__v5e-256.json": {"eval/prefill": (0.12, 0.20)},
     "e3_temperature_1p2__grpo_tis__tpu7x-8__score.json": {"score": (-0.62, -0.52)},
     "e3_temperature_1p2__grpo_tis__v5e-16__score.json": {"score": (-0.13, -0.08)},
     "e3_temperature_1p2__grpo_tis__v5e-16__score__no_collective_matmul.json": {
@@ -99,7 +100,7 @@ def test_planner_within_10_percent_of_every_committed_compile_but_the_pinned_mis
     single prompt's prefill planned with the whole embedding table, +40% without FSDP and
     +14% with it; a KV cache counted by its elements where the TPU pads its minor dimension to
     128 lanes, -15% on the `tiny` preset's prefill; a scoring pass planned with one query
-    chunk's scores where the compiler keeps two, -22% on E3's, or without the collective
+    chunk's scores where the compiler keeps two, -23% on E3's, or without the collective
     matmuls' pieces on a tensor-parallel mesh, -31% on E3's on v6e-8) on any program of the
     committed records but MISSES, and committed planner bytes, beside bytes or verdicts other
     than the planner's (every record replanned: a planner change left without --replan)."""
@@ -219,7 +220,7 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # remat: fit, E3's first 2, 4 and 8 layers and E5's first 4 on v5p-8; held out, E3's first
     # 4 at 1 row per device, E5's first 8, E2's first 4 on v5e-8 and the `tiny` preset's step;
     # on v6e-8, E3's step at 1 row per device and E2's, with and without collective matmuls
-    assert sum(r[1] == "fit" for r in rows) == 19 and sum(r[1] == "held-out" for r in rows) == 64
+    assert sum(r[1] == "fit" for r in rows) == 19 and sum(r[1] == "held-out" for r in rows) == 65
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS

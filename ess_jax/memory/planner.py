@@ -169,7 +169,7 @@ class Plan:
         return out + list(self.notes)
 
 
-def scores(config) -> bool:
+def runs_scoring_pass(config) -> bool:
     """Whether a run of `config` scores its rollout batches before the updates (steps.score_fn):
     its objective reads pi_prox (objectives.needs_prox), or a KL to the reference model."""
     objective = obj_lib.objective_config(config.objective.to_dict())
@@ -279,7 +279,7 @@ def plan(
     }
     if full_kl and not r.lag and t.updates_per_batch > 1:  # full_kl.FullKL.inputs' copy
         phases[TRAIN_PHASE]["behaviour params copy"] = trained
-    if scores(config):  # steps.score_fn: the padded rows in the micro-batches' chunks
+    if runs_scoring_pass(config):  # steps.score_fn: the padded rows in the micro-batches' chunks
         chunk = config.data.prompts_per_step * r.group_size // t.updates_per_batch
         chunk //= t.num_microbatches
         length = prompt_len + r.max_new_tokens

@@ -9,9 +9,9 @@ What one chunk holds beyond the params and the batch, per device:
     layer's shard of the block matrices to 16 bits once, before the chunk loop (the train
     layout, not gathered: one layer is gathered at a time inside it), and keeps the embedding
     table gathered in 16 bits;
-  - one layer's attention scores: a query chunk's float32 [r, H, C, T] (model.logits_chunk),
-    else the largest causal block's; none with splash attention on a TPU, whose kernel never
-    writes them;
+  - one layer's attention scores: a query chunk's float32 [r, H, C, T] (model.logits_chunk,
+    a `lax.map` over the chunks), else the largest causal block's (layers.causal_blocks); none
+    with splash attention on a TPU, whose kernel never writes them;
   - the LM head's float32 logits of one chunk of positions (model.logits_chunk), else of every
     response position. On a TPU a layer's scores and the logits are never live together: the
     larger counts.
@@ -22,6 +22,9 @@ memory_analysis gives 12.58 GB, the heap the compiler lays the pass out in: the 
 [4, 32, 1024, 5120] float32 score buffers (5.37) and one layer's feed-forward activations; the
 dump's live peak, 9.59 GB, in a layer's attention, holds one of the two score buffers. The TPU
 terms count the heap's buffers, each at 1.
+
+With train.pack_rows the run scores packed rows (packed.score_fn); the planner plans, and
+tools/compile_tpu.py compiles, the padded pass.
 """
 
 from __future__ import annotations
@@ -29,13 +32,16 @@ from __future__ import annotations
 import numpy as np
 
 from ess_jax.memory import terms, tpu_terms
+from ess_jax.model import layers
 
 # XLA:CPU's bytes per unit (memory-minimising scheduler): a least-squares fit of the pass's
 # temporaries over nine shapes of a 4-layer model (1 and 8 devices, float32 and bfloat16, with
 # and without logits_chunk); tests/test_plan_memory.py checks other shapes within 25%
 CPU_COEF = {
     "logits": 0.80,  # x r C V 4 (C: logits_chunk, else the response positions)
-    "attention": 0.68,  # x terms.attention_bytes: one layer's scores
+    # x terms.attention_bytes, the fit's basis: the train step's attention temporaries, their
+    # own COEF included (attn_chunk_tmp or attn_tmp)
+    "attention": 0.68,
     "weights": 0.64,  # x the model in the compute dtype, gathered (FSDP) or cast
 }
 # The TPU compiler's: read off the buffer dumps of scoring passes on v5p-8, v5e-16 and v6e-8
@@ -45,8 +51,9 @@ TPU_COEF = {
     "logits": 1.0,  # x r C V 4: the LM head chunk's float32 logits
     "feed_forward": 1.0,  # x r T F b: one layer's feed-forward activations
     # x r H C T 4: a query chunk's float32 scores; two buffers live where more than one row per
-    # device goes through a query-chunk loop of at most UNROLLED_CHUNKS trips (E3 at 6, 7 and
-    # 8 chunks: two; at 9 and E5's 17: one; at one row per device: one)
+    # device goes through a query-chunk loop of at most TWO_BUFFER_MAX_CHUNKS trips (E3 at 5, 6,
+    # 7 and 8 chunks: two; at 9 and E5's 17: one; at one row per device: one). Unchunked: one
+    # buffer of the largest causal block's scores
     "attention": 2.0,
     "attention_long": 1.0,
     # x the block shards in 16 bits: the collective matmuls' pieces (pairs of every
@@ -55,14 +62,7 @@ TPU_COEF = {
     # at fsdp 2 x tensor 4, E2 on v5e-8)
     "collective_pieces": 3.0,
 }
-UNROLLED_CHUNKS = 8
-
-
-def attention_chunk(cfg, seq_len: int) -> int:
-    """The queries a layer's attention scores at once: model.logits_chunk where it splits the
-    sequence, else the sequence (the TPU path's einsum attention, unchunked)."""
-    c = cfg.logits_chunk
-    return c if 0 < c < seq_len else seq_len
+TWO_BUFFER_MAX_CHUNKS = 8
 
 
 def score_terms(cfg, mesh, rows: int, seq_len: int, scored_len: int, tpu: bool = False) -> dict:
@@ -87,7 +87,7 @@ def score_terms(cfg, mesh, rows: int, seq_len: int, scored_len: int, tpu: bool =
     # float32 compute casts too: the MXU's default precision rounds float32 operands to bfloat16
     # (the `tiny` preset's SmolLM2-135M: bfloat16 copies of its float32 shards)
     copy = np.dtype("bfloat16") if np.dtype(compute) == np.float32 else compute
-    ffn = terms.ffn_width(cfg, mesh) * np.dtype(compute).itemsize
+    ffn = terms.ffn_width(cfg, mesh, rows) * np.dtype(compute).itemsize
     out = {
         "blocks (16-bit copy of the shards)": float(terms.block_bytes(cfg, mesh, copy)),
         "embedding (gathered, 16-bit)": float(terms.embedding_bytes(cfg, mesh, copy)),
@@ -97,10 +97,14 @@ def score_terms(cfg, mesh, rows: int, seq_len: int, scored_len: int, tpu: bool =
     head = k["logits"] * r * c_head * v * 4
     scores = 0.0
     if cfg.attention_impl != "splash":  # the kernel writes no scores
-        h = terms.axis_split(cfg.num_heads, mesh, "tensor")
-        c = attention_chunk(cfg, seq_len)
-        short = r > 1 and -(-seq_len // c) <= UNROLLED_CHUNKS
-        scores = k["attention" if short else "attention_long"] * r * h * c * seq_len * 4
+        h, c = terms.axis_split(cfg.num_heads, mesh, "tensor"), cfg.logits_chunk
+        if 0 < c < seq_len:  # a lax.map over the query chunks
+            two_buffers = r > 1 and -(-seq_len // c) <= TWO_BUFFER_MAX_CHUNKS
+            coef = k["attention" if two_buffers else "attention_long"]
+            scores = coef * r * h * c * seq_len * 4
+        else:  # the causal blocks, one at a time
+            block = max((z - a) * keys for a, z, keys in layers.causal_blocks(seq_len))
+            scores = k["attention_long"] * r * h * block * 4
     if scores > head:
         out["attention (a query chunk's scores)"] = scores
     else:

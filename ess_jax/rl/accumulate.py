@@ -49,7 +49,10 @@ def step_scope(acc: Accumulator, rows: Batch, shared: Batch, m: int):
     ess_after = ()  # step ESS metrics computed after the gradient pass
     reused = None  # the last micro-batch's loss, metrics and gradient, from the statistics pass
     if missing and acc.objective.ess_in_loss:
-        shared, reused = statistics_pass(acc.logp_fn, acc.loss_of, acc.params, micro, rows, shared)
+        keep = keeps_last_microbatch(acc.objective, "step", m)
+        shared, reused = statistics_pass(
+            acc.logp_fn, acc.loss_of, acc.params, micro, rows, shared, keep
+        )
         if reused is not None:  # the last one's gradient is done
             micro = {k: v[:-1] for k, v in micro.items()}
     elif missing:
@@ -158,7 +161,7 @@ class Accumulator:
         return jax.tree.map(lambda g, p: (g * scale).astype(jnp.result_type(p)), grads, self.params)
 
 
-def statistics_pass(logp_fn, loss_of, params, micro, rows, shared):
+def statistics_pass(logp_fn, loss_of, params, micro, rows, shared, keep_last: bool):
     """ess_scope "step" for a loss that reads the ESS: the step's statistics before any gradient.
 
     Needs every micro-batch's log-probs first, so it costs one more forward over the batch. From
@@ -171,17 +174,17 @@ def statistics_pass(logp_fn, loss_of, params, micro, rows, shared):
     one-step loop, and the straight-line program then holds both micro-batches' activations at
     once (twice the compiled temp memory on CPU; XLA:CPU drops optimization barriers before
     scheduling, so none can order it). Returns the shared scalars with the statistics added, and
-    (loss, metrics, grads, logp) of the last micro-batch, or None when its forward was not kept.
+    (loss, metrics, grads, logp) of the last micro-batch, or None when its forward was not kept
+    (`keep_last`: keeps_last_microbatch of the step).
     """
     frozen = jax.lax.stop_gradient(params)
-    reuse = micro["mask"].shape[0] > 2
-    head = {k: v[:-1] for k, v in micro.items()} if reuse else micro
+    head = {k: v[:-1] for k, v in micro.items()} if keep_last else micro
 
     def stats_pass(_, mb):
         return None, _logp_of(logp_fn(frozen, {**mb, **shared}))
 
     _, logp_head = jax.lax.scan(stats_pass, None, head)
-    if not reuse:
+    if not keep_last:
         return {**step_statistics(merge_microbatches(logp_head), rows), **shared}, None
     last = {k: v[-1] for k, v in micro.items()}
     out, backward = jax.vjp(lambda p: logp_fn(p, {**last, **shared}), params)
