@@ -267,6 +267,7 @@ def plan(
     prompt_len = max(config.data.buckets)  # worst case: the widest prompt bucket
     seq_len = prompt_len + r.max_new_tokens
     rows = config.data.prompts_per_step * r.group_size // t.updates_per_batch // t.num_microbatches
+    padded_rows, padded_len = rows, seq_len  # a micro-batch's, before packing (the scoring pass)
     scored = r.max_new_tokens
     if packed.by_tokens(config):  # one packed row per device, the LM head on all of it
         rows = sharding_lib.batch_ranks(amesh.shape)
@@ -280,10 +281,7 @@ def plan(
     if full_kl and not r.lag and t.updates_per_batch > 1:  # full_kl.FullKL.inputs' copy
         phases[TRAIN_PHASE]["behaviour params copy"] = trained
     if runs_scoring_pass(config):  # steps.score_fn: the padded rows in the micro-batches' chunks
-        chunk = config.data.prompts_per_step * r.group_size // t.updates_per_batch
-        chunk //= t.num_microbatches
-        length = prompt_len + r.max_new_tokens
-        args = (policy_cfg if not rank else cfg, amesh, chunk, length, r.max_new_tokens)
+        args = (policy_cfg if not rank else cfg, amesh, padded_rows, padded_len, r.max_new_tokens)
         phases[SCORE_PHASE] = scoring_terms.device_score_terms(device, *args)
 
     calls = int(r.get("sample_microbatches", 1))

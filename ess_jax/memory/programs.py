@@ -265,8 +265,7 @@ def run_programs(config, mesh) -> list[Program]:
         whole = _batch(rows * t.updates_per_batch, prompt, length, mesh)
         score_in = {k: whole[k] for k in _SEQUENCE}
         score = steps.score_fn(policy_cfg if not rank else cfg, prompt, mesh, chunks)
-        logp = jax.ShapeDtypeStruct((rows * t.updates_per_batch, length - prompt), jnp.float32,
-                                    sharding=bsh)  # fmt: skip
+        logp = whole["behaviour_logp"]  # the output's shape: float32 per response token
         planned = _bytes(params) + _bytes(score_in) + _bytes(logp)
         planned += sum(plan.phases[planner.SCORE_PHASE].values())
         out.append(
