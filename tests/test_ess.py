@@ -257,6 +257,30 @@ def test_forward_count_of_a_step(name, m):
         assert len(forwards) == (2 * m - 1 if m > 2 else 2 * m)
 
 
+def test_the_last_forward_is_kept_from_three_microbatches():
+    """Catches accumulate.keeps_last_microbatch's bound moved off M = 3 (the bound the RL step's
+    loop trips, tools/compile_tpu.py's `loop_trips`, are read from): P3O at M = 3 runs 2M - 1
+    = 5 micro-batch forwards, and the predicate says so for it and not for GRPO or M = 2."""
+    from ess_jax.rl import accumulate
+
+    params, batch = _policy_batch(0)
+    batch = {k: v[:24] for k, v in batch.items()}  # rows that 3 micro-batches divide
+    forwards = []
+
+    def counting(p, mb):
+        jax.debug.callback(lambda: forwards.append(1))
+        return _logp_fn(p, mb)
+
+    objective_cfg = O.ObjectiveConfig(name="p3o")
+    out = jax.jit(lambda p: U.step_loss_and_grad(counting, p, batch, objective_cfg, 3))(params)
+    jax.block_until_ready(out)
+    assert len(forwards) == 5
+    p3o, grpo = O.OBJECTIVES["p3o"], O.OBJECTIVES["grpo"]
+    assert accumulate.keeps_last_microbatch(p3o, "step", 3)
+    assert not accumulate.keeps_last_microbatch(p3o, "step", 2)
+    assert not accumulate.keeps_last_microbatch(grpo, "step", 3)
+
+
 @pytest.mark.parametrize("m", [2, 4])
 def test_statistics_pass_memory_is_one_microbatch(m):
     """Catches a statistics pass that holds more than one micro-batch's activations: P3O's
