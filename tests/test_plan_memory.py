@@ -100,7 +100,7 @@ def _train_case(case):
         with_sh, model.abstract_params(model_cfg), model.param_shardings(model_cfg, mesh, "train")
     )
     frozen, trained = lora.split(params) if case.get("lora") else (None, params)
-    state, state_sh = _abstract_state(trained, tx, frozen)
+    state, state_sh = _abstract_state(trained, OPTIM, frozen)
     b, p, t = case["rows"], case["prompt"], case["prompt"] + case["response"]
     bsh = sharding.batch_sharding(mesh)
     batch = {"tokens": jnp.int32, "attn_mask": bool, "mask": jnp.float32,
@@ -134,10 +134,10 @@ def _train_case(case):
     }
 
 
-def _abstract_state(params, tx, frozen=None):
+def _abstract_state(params, optim, frozen=None):
     from ess_jax.memory import programs
 
-    return programs.abstract_state(params, tx, frozen)
+    return programs.abstract_state(params, optim, frozen)
 
 
 def _sample_case(case):

@@ -34,6 +34,8 @@ counts a loop body once.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -87,18 +89,34 @@ def abstract(tree, shardings):
     )
 
 
-def abstract_state(params, tx, frozen=None) -> tuple[steps.TrainState, steps.TrainState]:
-    """The abstract TrainState of abstract `params` (and its shardings), laid out as
-    steps.init_state lays out the real one: moments as their params, scalars replicated."""
+def abstract_state(params, optim: dict, frozen=None) -> tuple[steps.TrainState, steps.TrainState]:
+    """The abstract TrainState of abstract `params` under the optimizer of config `optim`
+    (rl.optim.make_optimizer's keys), and its shardings, laid out as steps.init_state lays out
+    the real one: moments as their params, scalars replicated."""
     mesh = jax.tree.leaves(params)[0].sharding.mesh
     rep = sharding_lib.replicated(mesh)
-    opt = jax.eval_shape(tx.init, params)
+    leaves, treedef = jax.tree.flatten(params)
+    avals = tuple((x.shape, jnp.dtype(x.dtype)) for x in leaves)
+    opt = _opt_shapes(json.dumps(optim, sort_keys=True, default=str), treedef, avals)
     opt_sh = optax.tree_map_params(
-        tx, lambda _, p: p.sharding, opt, params, transform_non_params=lambda _: rep
+        make_optimizer(optim),
+        lambda _, p: p.sharding,
+        opt,
+        params,
+        transform_non_params=lambda _: rep,
     )
     scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
     state = steps.TrainState(params, abstract(opt, opt_sh), scalar, scalar, frozen)
     return state, jax.tree.map(lambda x: x.sharding, state)
+
+
+@functools.lru_cache(maxsize=32)
+def _opt_shapes(optim_json: str, treedef, avals: tuple):
+    """The optimizer state's shapes of params of `avals`: cached, as tracing AdamW's init over
+    a 36-layer model's ~400 params takes a third of replanning every TPU record
+    (tools/compile_tpu.py --replan), and a run's programs ask for the same state again."""
+    params = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(s, d) for s, d in avals])
+    return jax.eval_shape(make_optimizer(json.loads(optim_json)).init, params)
 
 
 def _batch(rows: int, prompt: int, length: int, mesh) -> dict:
@@ -227,7 +245,7 @@ def run_programs(config, mesh) -> list[Program]:
     frozen, trained = lora.split(params) if rank else (None, params)
     optim = {**config.optim.to_dict(), "total_steps": t.steps * t.updates_per_batch}
     tx = make_optimizer(optim)
-    state, state_sh = abstract_state(trained, tx, frozen)
+    state, state_sh = abstract_state(trained, optim, frozen)
     held = _bytes(state.params) + _bytes(state.opt_state) + _bytes(frozen or {})
     beside_train = resident - held  # history, external and reference models
 
@@ -272,17 +290,16 @@ def run_programs(config, mesh) -> list[Program]:
             Program("score", score, (params, score_in), planned, resident - _bytes(params), chunks)
         )
     if config.sft.steps:
-        stx = make_optimizer(
-            {
-                "lr": config.sft.lr,
-                "warmup_steps": config.sft.warmup_steps,
-                "total_steps": config.sft.steps,
-                "max_grad_norm": 1.0,
-                "schedule": "cosine",
-                "final_lr_fraction": 0.1,
-            }
-        )  # as sft.py's
-        sft_state, sft_sh = abstract_state(trained, stx, frozen)
+        sft_optim = {
+            "lr": config.sft.lr,
+            "warmup_steps": config.sft.warmup_steps,
+            "total_steps": config.sft.steps,
+            "max_grad_norm": 1.0,
+            "schedule": "cosine",
+            "final_lr_fraction": 0.1,
+        }  # as sft.py's
+        stx = make_optimizer(sft_optim)
+        sft_state, sft_sh = abstract_state(trained, sft_optim, frozen)
         sft_len = int(config.sft.seq_len)
         shape = (config.sft.batch_size, sft_len)
         sft_batch = {
