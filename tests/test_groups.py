@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import FAST_COMPILE
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "multihost_worker.py"
@@ -58,7 +59,8 @@ class Proc:
         self.name, self.log = name, tmp_path / f"{name}.log"
         environ = {
             **os.environ,
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {ONE_THREAD}",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE} "
+            + ONE_THREAD,
             "JAX_PLATFORMS": "cpu",
             "JAX_DEFAULT_MATMUL_PRECISION": "highest",
             "PYTHONPATH": str(REPO),

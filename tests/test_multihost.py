@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE
 from safetensors.numpy import load_file
 
 from configs import quickstart
@@ -80,7 +81,7 @@ class Launch:
             env = {
                 **os.environ,
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // num_processes} "
-                + ONE_THREAD,
+                f"{FAST_COMPILE} {ONE_THREAD}",
                 "JAX_PLATFORMS": "cpu",
                 "JAX_DEFAULT_MATMUL_PRECISION": "highest",  # as conftest.py
                 "PYTHONPATH": str(REPO),

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import FAST_COMPILE
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = """
 import sys
@@ -53,7 +55,7 @@ def test_train_state_of_one_device_processes_saves_and_restores(tmp_path):
     for i in range(2):
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_"))},
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}",
             "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": str(REPO),
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
