@@ -88,6 +88,7 @@ MISSES = {
         "rl_step": (-0.16, -0.10), "score": (-0.13, -0.08),
     },
     "e1_clip_sweep__gspo__v5e-16.json": {"rl_step": (-0.15, -0.09)},
+    "e3_temperature_1p2__p3o__v5e-16__rl_step.json": {"rl_step": (-0.16, -0.10)},
     # E2 (Qwen2.5-1.5B: 2 kv heads over tensor 4) on v4-8: decode segments whose compiled
     # bytes do not grow with the segment's length (v4 is extrapolated)
     "e2_qwen25_1p5b__p3o__v4-8.json": {
@@ -237,8 +238,8 @@ def test_tpu_coefficients_are_the_fit_of_the_committed_compiles():
     # remat: fit, E3's first 2, 4 and 8 layers and E5's first 4 on v5p-8; held out, E3's first
     # 4 at 1 row per device, E5's first 8, E2's first 4 on v5e-8 and the `tiny` preset's step;
     # on v6e-8, E3's step at 1 row per device and E2's, with and without collective matmuls;
-    # E8's dual-anchor (two KLs) and E1's GSPO steps on v5e-16, E2's on v4-8
-    assert sum(r[1] == "fit" for r in rows) == 19 and sum(r[1] == "held-out" for r in rows) == 68
+    # E3's P3O, E8's dual-anchor (two KLs) and E1's GSPO steps on v5e-16, E2's on v4-8
+    assert sum(r[1] == "fit" for r in rows) == 19 and sum(r[1] == "held-out" for r in rows) == 69
     coef = fit_tpu_terms.fit([r for r in rows if r[1] == "fit"])
     assert {k: round(v, 2) for k, v in coef.items()} == {
         k: tpu_terms.TPU_COEF[k] for k in fit_tpu_terms.TERMS
