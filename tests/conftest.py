@@ -18,11 +18,23 @@ import tempfile
 # XLA:CPU flags that cut the LLVM half of compiling: the tests' programs are tiny and compiled
 # far more often than run, so codegen optimisation costs more than it saves. The HLO passes
 # (fusion, sharding, buffer assignment) are unchanged: test_plan_memory's 16 programs report the
-# same memory_analysis bytes with and without them. On three
-# compile-bound modules (test_entropy_bonus, test_full_kl, test_logprobs_chunked, one process):
-# 96 s with XLA's defaults, 83 s at level 0, 67 s with both flags. Subprocesses that set their own
-# XLA_FLAGS put FAST_COMPILE in them.
+# same memory_analysis bytes with and without them. On three compile-bound modules
+# (test_entropy_bonus, test_full_kl, test_logprobs_chunked, one process): 96 s with XLA's
+# defaults, 83 s at level 0, 67 s with both flags. Subprocesses that set their own XLA_FLAGS
+# take them from `xla_flags`.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# One XLA:CPU thread per process, for tests that run several processes at once on 2 cores
+# (`xla_flags`' `extra`: its bare token ends what XLA reads)
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def xla_flags(devices: int | None = None, extra: str = "") -> str:
+    """XLA_FLAGS for a test's subprocess: `devices` fake CPU devices (None: one), FAST_COMPILE,
+    then `extra` last: XLA stops reading at a bare `name=value` token (e.g.
+    `intra_op_parallelism_threads=1`), so the flags it must see come before any."""
+    count = f"--xla_force_host_platform_device_count={devices}" if devices else ""
+    return " ".join(x for x in (count, FAST_COMPILE, extra) if x)
+
 
 # Must happen before jax is imported anywhere. XLA stops reading XLA_FLAGS at a bare
 # `name=value` token, so these go first.

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST_COMPILE
+from conftest import ONE_THREAD, xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "multihost_worker.py"
@@ -43,7 +43,6 @@ OVERRIDES = {
     "rollout.max_lag": 0,
     "optim.lr": 3e-3,
 }
-ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 TIMEOUT_S = 900
 TIMING = ("tokens_per_s", "sample_s", "step_s", "draw_s", "push_s")
 
@@ -59,8 +58,7 @@ class Proc:
         self.name, self.log = name, tmp_path / f"{name}.log"
         environ = {
             **os.environ,
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE} "
-            + ONE_THREAD,
+            "XLA_FLAGS": xla_flags(devices, ONE_THREAD),
             "JAX_PLATFORMS": "cpu",
             "JAX_DEFAULT_MATMUL_PRECISION": "highest",
             "PYTHONPATH": str(REPO),

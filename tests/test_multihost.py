@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE
+from conftest import ONE_THREAD, xla_flags
 from safetensors.numpy import load_file
 
 from configs import quickstart
@@ -53,7 +53,6 @@ OVERRIDES = {
     "eval.k": 4,
     "eval.max_new_tokens": 4,
 }
-ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 LAUNCH_TIMEOUT_S = 1200  # generous: a loaded 2-core machine runs a launch in minutes
 TIMING = ("tokens_per_s", "sample_s", "step_s")
 # rows the sampled tokens decide: equal whatever the reduction order
@@ -80,8 +79,7 @@ class Launch:
         for i in range(num_processes):
             env = {
                 **os.environ,
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // num_processes} "
-                f"{FAST_COMPILE} {ONE_THREAD}",
+                "XLA_FLAGS": xla_flags(8 // num_processes, ONE_THREAD),
                 "JAX_PLATFORMS": "cpu",
                 "JAX_DEFAULT_MATMUL_PRECISION": "highest",  # as conftest.py
                 "PYTHONPATH": str(REPO),

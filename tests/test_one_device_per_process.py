@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FAST_COMPILE
+from conftest import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = """
@@ -55,7 +55,7 @@ def test_train_state_of_one_device_processes_saves_and_restores(tmp_path):
     for i in range(2):
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_"))},
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}",
+            "XLA_FLAGS": xla_flags(1),
             "JAX_PLATFORMS": "cpu",
             "PYTHONPATH": str(REPO),
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",

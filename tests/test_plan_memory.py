@@ -299,13 +299,10 @@ def measure_all() -> None:
 
 @pytest.fixture(scope="module")
 def measured():
-    from conftest import FAST_COMPILE  # (the subprocess imports this module without tests/)
+    from conftest import xla_flags  # (the subprocess imports this module without tests/)
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count=8 {FAST_COMPILE} "
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-    )
+    env["XLA_FLAGS"] = xla_flags(8, "--xla_cpu_enable_concurrency_optimized_scheduler=false")
     code = "import tests.test_plan_memory as t; t.measure_all()"
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True

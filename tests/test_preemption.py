@@ -15,7 +15,7 @@ import time
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
-from conftest import FAST_COMPILE
+from conftest import xla_flags
 from test_damaged_workdir import assert_tensorboard_holds_the_rows
 
 from ess_jax.io.checkpoint import Checkpointer
@@ -37,7 +37,7 @@ TIMING = ("tokens_per_s", "sample_s", "step_s")
 
 def _env(cache, extra=None):
     env = {k: v for k, v in os.environ.items() if k != "ESS_JAX_VERBOSE"}
-    env["XLA_FLAGS"] = FAST_COMPILE  # one device
+    env["XLA_FLAGS"] = xla_flags()  # one device
     env.update(extra or {})
     env.update(
         JAX_COMPILATION_CACHE_DIR=str(cache),
@@ -244,7 +244,7 @@ def test_kill_9_of_an_async_run_resumes_with_each_step_once(tmp_path):
     depend on timing, so rows are not compared with an uninterrupted run's; the prompts each
     step takes are checked in tests/test_actor_learner.py.)"""
     cache, cut = tmp_path / "jax_cache", tmp_path / "cut"
-    devices = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}"}
+    devices = {"XLA_FLAGS": xla_flags(2)}
     # after 5 rows: step 4's checkpoint is written, steps past it maybe
     rc = _signal_mid_run(cut, cache, 5, signal.SIGKILL, 60, env=devices, **ASYNC)
     assert rc == -signal.SIGKILL
